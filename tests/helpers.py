@@ -1,0 +1,41 @@
+"""Shared test helpers: run the CLI in-process on the default recipe and read its metrics."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from unirl_pl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+JOINT = str(ROOT / "recipes" / "joint.yaml")
+
+
+def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: str = JOINT, name: str = "run"):
+    """Run ``python -m unirl_pl <subcommand> --config <config> ...`` in this process; return the CLI object."""
+    args = [
+        subcommand,
+        "--config", config,
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.logger.init_args.name={name}",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger]",
+        "--trainer.enable_model_summary=false",
+        *overrides,
+    ]
+    return main(args)
+
+
+def read_metrics(cli) -> list[dict[str, float]]:
+    """The rows of the run's ``metrics.csv`` with empty cells dropped and values as floats."""
+    path = Path(cli.trainer.logger.log_dir) / "metrics.csv"
+    rows = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            rows.append({k: float(v) for k, v in row.items() if v != ""})
+    return rows
+
+
+def series(rows: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in rows if key in r]

@@ -1,0 +1,335 @@
+"""ShapesWorld: grammar round trips, paraphrase splits, verifier accuracy and faults, and the reward."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from unirl_pl.rewards.shapes import ShapesGenEval, shapes_geneval
+from unirl_pl.shapes import (
+    CATEGORIES,
+    COLORS,
+    PALETTE,
+    SHAPES,
+    SHAPES_WORDS,
+    ObjectSpec,
+    SceneSpec,
+    all_specs,
+    canonical_of,
+    caption,
+    make_prompt_set,
+    paraphrase,
+    parse_caption,
+    read_jsonl,
+    render,
+    render_batch,
+    sample_scene,
+    tokenize_words,
+    verify,
+    write_jsonl,
+)
+from unirl_pl.shapes import prompts as P
+from unirl_pl.shapes.render import Placement, draw
+
+OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+
+
+def _scenes(n_per_category: int, seed: int) -> list[SceneSpec]:
+    rng = np.random.default_rng(seed)
+    return [sample_scene(rng, cat) for _ in range(n_per_category) for cat in CATEGORIES]
+
+
+def _blur3(image: np.ndarray) -> np.ndarray:
+    h, w = image.shape[:2]
+    padded = np.pad(image, ((1, 1), (1, 1), (0, 0)), mode="edge")
+    return sum(padded[i : i + h, j : j + w] for i in range(3) for j in range(3)) / 9.0
+
+
+def _accuracy(specs: list[SceneSpec], images: np.ndarray) -> float:
+    return float(np.mean([verify(s, img).strict for s, img in zip(specs, images, strict=True)]))
+
+
+# ---------------------------------------------------------------- grammar
+
+
+def test_caption_parse_round_trip_every_spec() -> None:
+    specs = all_specs()
+    assert {s.category for s in specs} == set(CATEGORIES)
+    for spec in specs:
+        text = caption(spec)
+        assert parse_caption(text) == spec, text
+        assert canonical_of(text) == text
+
+
+@pytest.mark.parametrize(
+    ("text", "category"),
+    [
+        ("a circle", "single_object"),
+        ("a red circle", "colors"),
+        ("three blue squares", "counting"),
+        ("a circle and a square", "two_object"),
+        ("a red circle and a green square", "color_attr"),
+        ("a blue square left of a yellow triangle", "position"),
+    ],
+)
+def test_caption_examples(text: str, category: str) -> None:
+    spec = parse_caption(text)
+    assert spec.category == category
+    assert caption(spec) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "a",
+        "a red",
+        "two red circle",
+        "a red circles",
+        "a red circle and",
+        "a circle and a red square",
+        "a circle and a circle",
+        "a red circle and a red square",
+        "a circle left of a square",
+        "four red circles",
+        "a red circle near a blue square",
+        "a red circle left of a red circle",
+    ],
+)
+def test_parse_caption_rejects_malformed(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse caption"):
+        parse_caption(text)
+
+
+def test_scene_spec_validates_category() -> None:
+    with pytest.raises(ValueError, match="counting"):
+        SceneSpec((ObjectSpec("red", "circle", 1),), None, "counting")
+    with pytest.raises(ValueError, match="relation"):
+        SceneSpec((ObjectSpec("red", "circle"), ObjectSpec("blue", "square")), None, "position")
+    with pytest.raises(ValueError, match="unknown color"):
+        ObjectSpec("orange", "circle")
+
+
+def test_sample_scene_deterministic_and_covers_categories() -> None:
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    assert [sample_scene(rng_a) for _ in range(50)] == [sample_scene(rng_b) for _ in range(50)]
+    rng = np.random.default_rng(0)
+    assert {sample_scene(rng).category for _ in range(300)} == set(CATEGORIES)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+@pytest.mark.parametrize("split", ["train", "heldout", "canonical"])
+def test_canonical_of_inverts_paraphrases(split: str) -> None:
+    rows = make_prompt_set(600, seed=11, split=split)
+    assert [r["category"] for r in rows[:6]] == list(CATEGORIES)
+    for row in rows:
+        assert canonical_of(row["prompt"]) == row["caption"], row
+        assert parse_caption(row["caption"]).category == row["category"]
+
+
+def test_canonical_of_names_unparseable_prompt() -> None:
+    with pytest.raises(ValueError, match="a red elephant"):
+        canonical_of("a red elephant")
+
+
+def _heldout_phrases() -> set[tuple[str, ...]]:
+    phrases: set[str] = set()
+    for table in (P.COLOR_SYNONYMS, P.QUANTITY_SYNONYMS, P.RELATION_SYNONYMS):
+        for _, heldout in table.values():
+            phrases.update(heldout)
+    for _, heldout in P.SHAPE_SYNONYMS.values():
+        phrases.update(w for pair in heldout for w in pair)
+    phrases.update(P.CONJUNCTIONS[1])
+    for template in P.TEMPLATES[1]:
+        phrases.update(part for part in template.split("{x}") if part.strip(" ,"))
+    return {tuple(tokenize_words(p)) for p in phrases}
+
+
+def _contains(words: list[str], phrase: tuple[str, ...]) -> bool:
+    n = len(phrase)
+    return any(tuple(words[i : i + n]) == phrase for i in range(len(words) - n + 1))
+
+
+def test_heldout_phrasings_never_appear_in_train() -> None:
+    heldout = _heldout_phrases()
+    train_prompts = [tokenize_words(r["prompt"]) for r in make_prompt_set(1500, seed=5, split="train")]
+    for words in train_prompts:
+        assert not any(_contains(words, p) for p in heldout), " ".join(words)
+    # Held-out templates are never used for train, and every held-out prompt uses one.
+    templates = {
+        tuple(tokenize_words(part)) for t in P.TEMPLATES[1] for part in t.split("{x}") if part.strip(" ,")
+    }
+    for row in make_prompt_set(300, seed=5, split="heldout"):
+        assert any(_contains(tokenize_words(row["prompt"]), t) for t in templates), row
+
+
+def test_words_are_covered_and_lowercase() -> None:
+    assert all(re.fullmatch(r"[a-z]+|,", w) for w in SHAPES_WORDS)
+    vocab = set(SHAPES_WORDS)
+    for split in ("train", "heldout"):
+        for row in make_prompt_set(600, seed=2, split=split):
+            assert set(tokenize_words(row["prompt"])) <= vocab, row["prompt"]
+            assert set(tokenize_words(row["caption"])) <= vocab
+
+
+def test_prompt_set_deterministic_and_jsonl(tmp_path) -> None:
+    rows = make_prompt_set(24, seed=9, split="heldout")
+    assert rows == make_prompt_set(24, seed=9, split="heldout")
+    assert rows != make_prompt_set(24, seed=10, split="heldout")
+    path = tmp_path / "sub" / "prompts.jsonl"
+    write_jsonl(rows, path)
+    assert read_jsonl(path) == rows
+    with pytest.raises(ValueError, match="split"):
+        paraphrase(parse_caption("a circle"), np.random.default_rng(0), "test")
+
+
+# ---------------------------------------------------------------- renderer and verifier
+
+
+def test_render_is_deterministic_crisp_and_black() -> None:
+    specs = _scenes(4, seed=1)
+    a = render_batch(specs, seed=7)
+    assert a.shape == (len(specs), 32, 32, 3) and a.dtype == np.uint8
+    assert np.array_equal(a, render_batch(specs, seed=7))
+    # Image i depends only on (seed, i, spec), so a prefix renders identically.
+    assert np.array_equal(render_batch(specs[:3], seed=7), a[:3])
+    colors = {tuple(int(v) for v in px) for px in a.reshape(-1, 3)}
+    assert colors <= {(0, 0, 0), *PALETTE.values()}, "no anti-aliasing: only palette colors and black"
+    assert (0, 0, 0) in colors
+
+
+def test_verifier_accuracy_clean_noisy_blurred() -> None:
+    specs = _scenes(200, seed=123)  # 1200 scenes, 200 per category
+    images = render_batch(specs, seed=123).astype(np.float32) / 255.0
+    clean = _accuracy(specs, images)
+    rng = np.random.default_rng(0)
+    noisy = _accuracy(specs, np.clip(images + rng.normal(0.0, 0.05, images.shape), 0.0, 1.0))
+    blurred_images = np.stack([_blur3(img) for img in images])
+    blurred = _accuracy(specs, blurred_images)
+    both = _accuracy(specs, np.clip(blurred_images + rng.normal(0.0, 0.05, images.shape), 0.0, 1.0))
+    print(f"verifier strict acc, {len(specs)} scenes: clean {clean:.4f} noisy {noisy:.4f} blur {blurred:.4f}")
+    print(f"verifier strict acc, blur then noise: {both:.4f}")
+    assert clean >= 0.99
+    assert noisy >= 0.95
+    assert blurred >= 0.95
+    assert both >= 0.95
+
+
+def _faults(spec: SceneSpec) -> dict[str, SceneSpec]:
+    """Wrongly rendered variants of ``spec``: each is a valid scene that should fail ``spec``."""
+    out: dict[str, SceneSpec] = {}
+    first, rest = spec.objects[0], spec.objects[1:]
+
+    def variant(
+        name: str, obj: ObjectSpec, category: str | None = None, relation: str | None = spec.relation
+    ) -> None:
+        try:
+            out[name] = SceneSpec((obj, *rest), relation, category or spec.category)
+        except ValueError:
+            pass
+
+    if first.color is not None:
+        for color in COLORS:
+            if color != first.color and "color" not in out:
+                variant("color", dataclasses.replace(first, color=color))
+    for shape in SHAPES:
+        if shape != first.shape and "shape" not in out:
+            variant("shape", dataclasses.replace(first, shape=shape))
+    if spec.category == "counting":
+        wrong = 3 if first.count == 2 else 2
+        variant("count", dataclasses.replace(first, count=wrong))
+        variant("count_one", dataclasses.replace(first, count=1), category="colors")
+    if spec.relation is not None:
+        out["position"] = dataclasses.replace(spec, relation=OPPOSITE[spec.relation])
+    return out
+
+
+def test_verifier_rejects_faults() -> None:
+    rng = np.random.default_rng(4)
+    seen: set[str] = set()
+    for spec in _scenes(15, seed=99):
+        for name, wrong in _faults(spec).items():
+            verdict = verify(spec, render(wrong, rng))
+            assert not verdict.strict and verdict.soft < 1.0, (name, caption(spec), caption(wrong), verdict)
+            seen.add(name)
+    assert seen == {"color", "shape", "count", "count_one", "position"}
+
+
+def test_verifier_ignores_unmentioned_objects() -> None:
+    rng = np.random.default_rng(0)
+    for spec in _scenes(10, seed=8):
+        if spec.category != "color_attr":
+            continue
+        image = render(spec, rng)
+        # GenEval semantics: the second object is a distractor for a prompt naming only the first.
+        only_first = SceneSpec((spec.objects[0],), None, "colors")
+        assert verify(only_first, image).strict
+    # Counting needs the exact number of the named kind only: other colors and shapes are ignored.
+    image = draw(
+        [
+            Placement("red", "circle", 2, 2, 9),
+            Placement("red", "circle", 20, 2, 9),
+            Placement("blue", "circle", 2, 20, 9),
+            Placement("red", "square", 20, 20, 9),
+        ]
+    )
+    assert verify(parse_caption("two red circles"), image).strict
+    assert not verify(parse_caption("three red circles"), image).strict
+
+
+def test_verifier_rejects_turned_triangle_and_black() -> None:
+    spec = parse_caption("a red triangle")
+    image = render(spec, np.random.default_rng(0))
+    assert verify(spec, image).strict
+    flipped = verify(spec, np.flipud(image))
+    assert not flipped.constraints["red triangle/shape"]
+    black = verify(spec, np.zeros((32, 32, 3), dtype=np.uint8))
+    assert black.soft == 0.0 and not black.strict
+
+
+# ---------------------------------------------------------------- reward
+
+
+def _to_tensor(images: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
+
+
+@pytest.mark.parametrize("split", ["train", "heldout"])
+def test_reward_scores_ground_truth_one(split: str) -> None:
+    rows = make_prompt_set(60, seed=3, split=split)
+    prompts = [r["prompt"] for r in rows]
+    images = _to_tensor(render_batch([parse_caption(r["caption"]) for r in rows], seed=1))
+    refined = ["a red circle"] * len(prompts)  # must be ignored: scoring uses the original prompt
+    rewards = shapes_geneval(prompts, refined, images)
+    assert len(rewards) == len(prompts) and all(isinstance(r, float) for r in rewards)
+    assert rewards == [1.0] * len(prompts)
+    assert ShapesGenEval("strict")(prompts, refined, images) == [1.0] * len(prompts)
+    metrics = ShapesGenEval().per_category(prompts, images)
+    assert set(metrics) == {f"{s}/{c}" for s in ("strict", "soft") for c in (*CATEGORIES, "overall")}
+    assert all(v == 1.0 for v in metrics.values())
+
+
+def test_reward_range_and_refusals() -> None:
+    rows = make_prompt_set(30, seed=4, split="train")
+    prompts = [r["prompt"] for r in rows]
+    images = torch.rand(len(prompts), 3, 32, 32)
+    images[::2] = 0.0
+    for score in ("soft", "strict"):
+        rewards = ShapesGenEval(score)(prompts, prompts, images)
+        assert len(rewards) == len(prompts)
+        assert all(0.0 <= r <= 1.0 for r in rewards)
+        assert all(r == 0.0 for r in rewards[::2])
+    with pytest.raises(ValueError, match="images for"):
+        shapes_geneval(prompts, prompts, images[:-1])
+    with pytest.raises(ValueError, match="refined prompts"):
+        shapes_geneval(prompts, prompts[:-1], images)
+    with pytest.raises(ValueError, match="score"):
+        ShapesGenEval("mean")
+    with pytest.raises(ValueError, match="elephant"):
+        shapes_geneval(["a red elephant"], ["x"], torch.zeros(1, 3, 32, 32))

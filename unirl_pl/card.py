@@ -1,0 +1,79 @@
+"""The card: which components a run has, which loops they drive, and which the chosen method needs.
+
+The unified card binds ``llm`` to ``ar_decode`` and ``transformer`` to ``diffusion_denoise``; a
+mixture-of-transformers card would bind one component to both loops, which the same structure
+allows (``shared_weight_components`` lists every component whose weights a loop runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LOOPS = ("ar_decode", "diffusion_denoise")
+MODES = ("joint", "prompt_only", "generator_only")
+# Which loops each mode runs, and which loops' experts it trains.
+_MODE_LOOPS = {
+    "joint": ({"ar_decode", "diffusion_denoise"}, {"ar_decode", "diffusion_denoise"}),
+    "prompt_only": ({"ar_decode", "diffusion_denoise"}, {"ar_decode"}),
+    "generator_only": ({"diffusion_denoise"}, {"diffusion_denoise"}),
+}
+
+
+class CardError(ValueError):
+    """A card that cannot run: a loop bound to an undeclared component, a missing loop, a bad mode."""
+
+
+@dataclass
+class Card:
+    """Components (name -> ``"expert"`` if trainable with LoRA, else ``"frozen"``) and loops.
+
+    ``loops`` maps a loop name to its ``shared_weight_components``: the components whose weights
+    that loop runs. ``validate(mode)`` rejects anything the method cannot run on.
+    """
+
+    components: dict[str, str]
+    loops: dict[str, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def unified(cls, *, has_llm: bool = True, has_vae: bool = True) -> Card:
+        """The two-expert card of UniRL-Zero / PromptRL: a refiner LM and a flow DiT, plus frozen parts."""
+        components = {"transformer": "expert", "text_encoder": "frozen"}
+        loops: dict[str, list[str]] = {"diffusion_denoise": ["transformer"]}
+        if has_llm:
+            components["llm"] = "expert"
+            loops["ar_decode"] = ["llm"]
+        if has_vae:
+            components["vae"] = "frozen"
+        return cls(components=components, loops=loops)
+
+    def validate(self, mode: str) -> None:
+        """Raise :class:`CardError` naming the problem if ``mode`` cannot run on this card."""
+        if mode not in MODES:
+            raise CardError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        for comp, role in self.components.items():
+            if role not in ("expert", "frozen"):
+                raise CardError(f"component {comp!r} has role {role!r}; expected 'expert' or 'frozen'")
+        for loop, bound in self.loops.items():
+            if loop not in LOOPS:
+                raise CardError(f"unknown loop {loop!r}; expected one of {', '.join(LOOPS)}")
+            if not bound:
+                raise CardError(f"loop {loop!r} binds no component")
+            for comp in bound:
+                if comp not in self.components:
+                    raise CardError(f"loop {loop!r} is bound to undeclared component {comp!r}")
+        needed, _ = _MODE_LOOPS[mode]
+        for loop in sorted(needed - set(self.loops)):
+            raise CardError(f"mode {mode!r} needs loop {loop!r}, which the card does not declare")
+
+    def trained_components(self, mode: str) -> list[str]:
+        """The experts this mode updates, in a fixed order (the order of their optimizers)."""
+        _, trained_loops = _MODE_LOOPS[mode]
+        names: list[str] = []
+        for loop in LOOPS:
+            if loop in trained_loops:
+                names += [c for c in self.loops.get(loop, []) if self.components[c] == "expert"]
+        return list(dict.fromkeys(names))
+
+    def runs_loop(self, mode: str, loop: str) -> bool:
+        """Whether ``mode`` runs ``loop`` at all (``generator_only`` never runs ``ar_decode``)."""
+        return loop in _MODE_LOOPS[mode][0]

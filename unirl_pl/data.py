@@ -1,0 +1,251 @@
+"""Prompt sources, the DataModule, and the experience source that turns prompts into a training batch.
+
+The DataModule yields :class:`PromptBatch` es: P prompts per step, sharded by rank, in an order
+that is a pure function of (seed, step). During ``fit`` its ``on_after_batch_transfer`` hands each
+batch to the experience source, which runs the rollout on the module's experts and returns an
+:class:`Experience`; ``training_step`` and the gates see that experience.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from unirl_pl.rollout import DiTRecord, LMRecord
+
+DEFAULT_PROMPTS = (
+    "a red circle",
+    "a blue square",
+    "a green triangle",
+    "two yellow circles",
+    "a purple square left of an orange circle",
+    "three red triangles",
+    "a blue circle above a green square",
+    "an orange triangle",
+)
+DEFAULT_VAL_PROMPTS = ("a green circle", "two blue triangles", "a red square below a yellow circle", "a purple circle")
+
+
+def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFAULT_PROMPTS) -> list[str]:
+    """Prompts from a list, a ``.txt`` file (one per line) or a ``.jsonl`` file (``{"prompt": ...}`` rows).
+
+    ``None`` gives the embedded default set. Blank lines are skipped; an empty result, a missing
+    file or a JSONL row without ``prompt`` is an error naming the file and line.
+    """
+    if source is None:
+        return list(default)
+    if isinstance(source, list):
+        prompts = [p.strip() for p in source if p.strip()]
+        if not prompts:
+            raise ValueError("the prompt list is empty")
+        return prompts
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    prompts = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ValueError(f"{path}:{lineno}: each JSONL row needs a string field 'prompt'")
+            prompts.append(row["prompt"].strip())
+        else:
+            prompts.append(line.strip())
+    if not prompts:
+        raise ValueError(f"prompt file {str(path)!r} holds no prompts")
+    return prompts
+
+
+@dataclass
+class PromptBatch:
+    """P prompts of one step on this rank, with their global request ids (seed the samples' randomness)."""
+
+    prompts: list[str]
+    request_ids: list[int]
+
+
+class _PromptStream(IterableDataset):
+    """An endless, seeded stream of this rank's share of each step's global prompt batch.
+
+    Step ``t``'s global batch is items ``[t*P, (t+1)*P)`` of an epoch-wise shuffled sequence; rank
+    ``r`` of ``W`` takes a contiguous slice of it, so the union over ranks is the same P prompts a
+    single process would see, and ``start_step`` resumes at an exact position.
+    """
+
+    def __init__(self, prompts: list[str], per_step: int, seed: int, rank: int, world: int, start_step: int) -> None:
+        self.prompts, self.per_step, self.seed = prompts, per_step, seed
+        self.rank, self.world, self.start_step = rank, world, start_step
+
+    def _item(self, position: int) -> int:
+        n = len(self.prompts)
+        epoch, offset = divmod(position, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
+        return int(order[offset])
+
+    def __iter__(self) -> Iterator[PromptBatch]:
+        local = self.per_step // self.world
+        step = self.start_step
+        while True:
+            first = step * self.per_step + self.rank * local
+            positions = list(range(first, first + local))
+            yield PromptBatch([self.prompts[self._item(p)] for p in positions], positions)
+            step += 1
+
+
+class _FixedPrompts(torch.utils.data.Dataset):
+    def __init__(self, prompts: list[str], per_batch: int) -> None:
+        self.prompts, self.per_batch = prompts, per_batch
+
+    def __len__(self) -> int:
+        return (len(self.prompts) + self.per_batch - 1) // self.per_batch
+
+    def __getitem__(self, i: int) -> PromptBatch:
+        idx = list(range(i * self.per_batch, min((i + 1) * self.per_batch, len(self.prompts))))
+        # Negative request ids keep evaluation randomness apart from training's.
+        return PromptBatch([self.prompts[j] for j in idx], [-1 - j for j in idx])
+
+
+def _identity(batch: list[PromptBatch]) -> PromptBatch:
+    return batch[0]
+
+
+@dataclass
+class Experience:
+    """One training batch after rollout.
+
+    Per image sample (N = P * K * M on this rank): ``prompts``, ``refined``, ``text_index`` (which
+    text sample, of P*K, the image renders), ``rewards`` and ``dit_advantages``. Per text sample:
+    ``text_rewards`` (mean of its images) and ``lm_advantages``. ``lm``/``dit`` are the behavior
+    records (None when that loop did not run or is frozen). ``reward_terms`` holds each weighted
+    reward's raw mean for logging.
+    """
+
+    prompts: list[str]
+    refined: list[str]
+    text_index: Tensor
+    rewards: Tensor
+    text_rewards: Tensor
+    lm_advantages: Tensor
+    dit_advantages: Tensor
+    lm: LMRecord | None
+    dit: DiTRecord | None
+    reward_terms: dict[str, float]
+    zero_std_frac: float
+    images: Tensor | None = None
+
+
+class PromptDataModule(pl.LightningDataModule):
+    """Prompts for training, validation and prediction, and how many samples each prompt gets.
+
+    Args:
+        prompts: Training prompts: a ``.txt``/``.jsonl`` path, an inline list, or null for the embedded set.
+        val_prompts: Held-out prompts for ``validate`` (same forms), scored on the deterministic serve path.
+        predict_prompts: Prompts for ``predict`` (same forms); null uses ``val_prompts``.
+        prompts_per_step: Prompts per optimizer step, summed over all ranks (divisible by the world size).
+        samples_per_prompt: K, text samples per prompt; the group size of the LM's advantage (>= 2).
+        num_skip_refinement: Of each prompt's K samples, how many keep the original prompt unrefined.
+        images_per_refinement: M, images rendered per text sample (M > 1 with the hierarchical scheme).
+        advantage_scheme: ``shared``: one advantage per sample, grouped by prompt, feeds both experts
+            (PromptRL). ``hierarchical``: the LM's advantage is grouped by prompt over the mean image
+            reward of each refinement, the DiT's is grouped by refinement over its M images.
+        global_std: Normalize advantages by the whole batch's reward std instead of each group's.
+        adv_clip_max: Clip advantages to ``[-adv_clip_max, adv_clip_max]``.
+        val_batch_size: Prompts per validation / prediction batch.
+        seed: Seed of the prompt order and of every sample's randomness.
+    """
+
+    def __init__(
+        self,
+        prompts: str | list[str] | None = None,
+        val_prompts: str | list[str] | None = None,
+        predict_prompts: str | list[str] | None = None,
+        prompts_per_step: int = 4,
+        samples_per_prompt: int = 4,
+        num_skip_refinement: int = 1,
+        images_per_refinement: int = 1,
+        advantage_scheme: Literal["shared", "hierarchical"] = "shared",
+        global_std: bool = False,
+        adv_clip_max: float = 5.0,
+        val_batch_size: int = 8,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if prompts_per_step < 1:
+            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
+        if samples_per_prompt < 2:
+            raise ValueError(
+                f"samples_per_prompt must be >= 2 (a group of one has no relative advantage), got {samples_per_prompt}"
+            )
+        if not 0 <= num_skip_refinement < samples_per_prompt:
+            raise ValueError(
+                f"num_skip_refinement must be in [0, samples_per_prompt={samples_per_prompt}), "
+                f"got {num_skip_refinement}: at least one sample per prompt must be refined"
+            )
+        if images_per_refinement < 1:
+            raise ValueError(f"images_per_refinement must be >= 1, got {images_per_refinement}")
+        if advantage_scheme == "hierarchical" and images_per_refinement < 2:
+            raise ValueError("advantage_scheme 'hierarchical' groups the DiT by refinement: images_per_refinement >= 2")
+        if advantage_scheme not in ("shared", "hierarchical"):
+            raise ValueError(f"advantage_scheme must be 'shared' or 'hierarchical', got {advantage_scheme!r}")
+        if adv_clip_max <= 0:
+            raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+        self.train_prompts = load_prompts(prompts)
+        self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)
+        self.predict_prompt_list = load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.num_skip_refinement = num_skip_refinement
+        self.images_per_refinement = images_per_refinement
+        self.advantage_scheme = advantage_scheme
+        self.global_std = global_std
+        self.adv_clip_max = adv_clip_max
+        self.val_batch_size = val_batch_size
+        self.seed = seed
+
+    def _world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        return trainer.global_rank, trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        rank, world = self._world()
+        if self.prompts_per_step % world:
+            raise ValueError(f"prompts_per_step={self.prompts_per_step} must be divisible by the world size {world}")
+        start = self.trainer.global_step if self.trainer is not None else 0
+        stream = _PromptStream(self.train_prompts, self.prompts_per_step, self.seed, rank, world, start)
+        return DataLoader(stream, batch_size=None)
+
+    def _fixed(self, prompts: list[str]) -> DataLoader:
+        rank, world = self._world()
+        shard = prompts[rank::world]
+        return DataLoader(_FixedPrompts(shard, self.val_batch_size), batch_size=1, collate_fn=_identity)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._fixed(self.val_prompt_list)
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._fixed(self.predict_prompt_list)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # Prompt batches are strings; the experience is built on the right device by the rollout.
+        return batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        trainer = self.trainer
+        if trainer is not None and trainer.training and isinstance(batch, PromptBatch):
+            return trainer.lightning_module.collect_experience(batch, self)
+        return batch

@@ -1,0 +1,272 @@
+"""The generator expert: a ``diffusers`` flow-matching transformer (SD3 MMDiT) with a LoRA adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import SD3Transformer2DModel
+from diffusers.loaders import SD3LoraLoaderMixin
+from peft import LoraConfig, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+
+from unirl_pl.experts._common import (
+    check_positive,
+    preserved_requires_grad,
+    resolve_dtype,
+    seeded_cpu_init,
+)
+
+DEFAULT_DIT_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
+# Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference.
+_LORA_INITS: dict[str, bool | str] = {"gaussian": "gaussian", "default": True}
+# Prefix the SD3 pipeline's ``save_lora_weights`` puts on transformer keys; loaders filter on it.
+_PIPELINE_PREFIX = "transformer"
+_LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+class FlowTransformerExpert(torch.nn.Module):
+    """Generator expert: a flow-matching diffusion transformer whose only trainable weights are LoRA.
+
+    The constructor only records and validates its arguments; ``build()`` (called from the
+    LightningModule's ``configure_model``) creates the model. With no ``pretrained_path`` it builds a
+    tiny ``SD3Transformer2DModel`` initialized from ``init_seed`` without touching the global RNG; with
+    a path it loads ``SD3Transformer2DModel.from_pretrained(path, subfolder=...)``, e.g. a diffusers
+    pipeline folder with ``subfolder="transformer"``. The model predicts the flow velocity
+    ``v = noise - x0`` at noise level ``sigma`` in [0, 1]. The reference policy is the same model with
+    the adapter disabled (``adapter_disabled()``).
+
+    Args:
+        pretrained_path: Local folder or hub id holding the transformer; ``None`` builds the tiny model.
+        subfolder: Subfolder of ``pretrained_path`` with the transformer (``"transformer"`` for a
+            pipeline folder); ``None`` means the path itself.
+        sample_size: Tiny model only: latent height and width.
+        patch_size: Tiny model only: side of the square latent patches; must divide ``sample_size``.
+        in_channels: Tiny model only: latent channels (also the output channels).
+        num_layers: Tiny model only: number of joint transformer blocks.
+        attention_head_dim: Tiny model only: width of one attention head.
+        num_attention_heads: Tiny model only: heads; ``num_attention_heads * attention_head_dim`` is the
+            model width and must equal ``caption_projection_dim``.
+        joint_attention_dim: Tiny model only: width of the text hidden states it attends to (the text
+            encoder's hidden size).
+        caption_projection_dim: Tiny model only: width the text states are projected to.
+        pooled_projection_dim: Tiny model only: width of the pooled text embedding (the text encoder's
+            projection size).
+        lora_rank: LoRA rank ``r`` (>= 1).
+        lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
+        lora_target_modules: Module names that get LoRA; default ``to_q to_k to_v to_out.0``.
+        lora_init: LoRA init: ``gaussian`` (A ~ N(0, 1/r)) or ``default`` (Kaiming-uniform A); both set
+            B = 0 so the policy equals the reference at step 0.
+        dtype: Dtype of the base weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights are
+            kept in float32).
+        init_seed: Seed of the tiny model's weights and of the LoRA init.
+    """
+
+    def __init__(
+        self,
+        pretrained_path: str | None = None,
+        subfolder: str | None = None,
+        sample_size: int = 16,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        num_layers: int = 2,
+        attention_head_dim: int = 16,
+        num_attention_heads: int = 2,
+        joint_attention_dim: int = 32,
+        caption_projection_dim: int = 32,
+        pooled_projection_dim: int = 32,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_target_modules: list[str] | None = None,
+        lora_init: str = "gaussian",
+        dtype: str = "float32",
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_positive(
+            sample_size=sample_size,
+            patch_size=patch_size,
+            in_channels=in_channels,
+            num_layers=num_layers,
+            attention_head_dim=attention_head_dim,
+            num_attention_heads=num_attention_heads,
+            joint_attention_dim=joint_attention_dim,
+            caption_projection_dim=caption_projection_dim,
+            pooled_projection_dim=pooled_projection_dim,
+            lora_alpha=lora_alpha,
+        )
+        if lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+        if sample_size % patch_size:
+            raise ValueError(f"patch_size ({patch_size}) must divide sample_size ({sample_size})")
+        if num_attention_heads * attention_head_dim != caption_projection_dim:
+            # The projected caption tokens join the image tokens in one attention, so widths must match.
+            raise ValueError(
+                f"caption_projection_dim ({caption_projection_dim}) must equal num_attention_heads * "
+                f"attention_head_dim ({num_attention_heads * attention_head_dim})"
+            )
+        if lora_init not in _LORA_INITS:
+            raise ValueError(f"lora_init must be one of {sorted(_LORA_INITS)}, got {lora_init!r}")
+        if lora_target_modules is not None and not lora_target_modules:
+            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
+        self.pretrained_path = pretrained_path
+        self.subfolder = subfolder
+        self.sample_size = sample_size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.num_layers = num_layers
+        self.attention_head_dim = attention_head_dim
+        self.num_attention_heads = num_attention_heads
+        self.joint_attention_dim = joint_attention_dim
+        self.caption_projection_dim = caption_projection_dim
+        self.pooled_projection_dim = pooled_projection_dim
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.lora_target_modules = list(lora_target_modules or DEFAULT_DIT_LORA_TARGETS)
+        self.lora_init = lora_init
+        self.dtype = resolve_dtype(dtype)
+        self.init_seed = init_seed
+        self.model: SD3Transformer2DModel | None = None
+
+    @property
+    def is_built(self) -> bool:
+        """Whether ``build()`` has created the model."""
+        return self.model is not None
+
+    def tiny_config(self) -> dict[str, Any]:
+        """Keyword arguments of the tiny ``SD3Transformer2DModel`` this expert builds without a path."""
+        return {
+            "sample_size": self.sample_size,
+            "patch_size": self.patch_size,
+            "in_channels": self.in_channels,
+            "out_channels": self.in_channels,
+            "num_layers": self.num_layers,
+            "attention_head_dim": self.attention_head_dim,
+            "num_attention_heads": self.num_attention_heads,
+            "joint_attention_dim": self.joint_attention_dim,
+            "caption_projection_dim": self.caption_projection_dim,
+            "pooled_projection_dim": self.pooled_projection_dim,
+            # Positional embeddings are cropped from this grid, so leave room for 2x larger latents.
+            "pos_embed_max_size": 2 * self.sample_size // self.patch_size,
+        }
+
+    def lora_config(self) -> LoraConfig:
+        """The peft ``LoraConfig`` of this expert's adapter."""
+        return LoraConfig(
+            r=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            target_modules=self.lora_target_modules,
+            lora_dropout=0.0,
+            bias="none",
+            init_lora_weights=_LORA_INITS[self.lora_init],
+        )
+
+    def build(self) -> None:
+        """Create the model, freeze it and attach the LoRA adapter; a second call is a no-op."""
+        if self.is_built:
+            return
+        with seeded_cpu_init(self.init_seed):
+            if self.pretrained_path is None:
+                model = SD3Transformer2DModel(**self.tiny_config())
+                if self.dtype != torch.float32:
+                    model = model.to(self.dtype)
+            else:
+                # ``torch_dtype`` (not ``.to``) keeps the modules diffusers pins to float32 in float32.
+                model = SD3Transformer2DModel.from_pretrained(
+                    self.pretrained_path, subfolder=self.subfolder, torch_dtype=self.dtype
+                )
+            model.requires_grad_(False)
+            model.add_adapter(self.lora_config())
+        # Optimizer states and small LoRA updates need float32 even when the base runs in bf16; peft
+        # casts activations to the LoRA weight dtype and back.
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+        self.model = model
+
+    def _require_built(self) -> SD3Transformer2DModel:
+        if self.model is None:
+            raise RuntimeError("FlowTransformerExpert.build() must be called before using the model")
+        return self.model
+
+    @property
+    def latent_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of the latents the model was configured for."""
+        if self.model is not None:
+            config = self.model.config
+            return (config.in_channels, config.sample_size, config.sample_size)
+        if self.pretrained_path is None:
+            return (self.in_channels, self.sample_size, self.sample_size)
+        config = SD3Transformer2DModel.load_config(self.pretrained_path, subfolder=self.subfolder)
+        return (config["in_channels"], config["sample_size"], config["sample_size"])
+
+    def velocity(
+        self, latents: torch.Tensor, sigma: torch.Tensor | float, hidden: torch.Tensor, pooled: torch.Tensor
+    ) -> torch.Tensor:
+        """Predict the flow velocity for ``latents`` (B, C, H, W) at noise level ``sigma`` (B,) or a
+        scalar, given text hidden states ``hidden`` (B, L, D) and pooled text ``pooled`` (B, P).
+
+        Diffusers flow transformers take the timestep as ``sigma * 1000``. Inputs are cast to the
+        model dtype; the result comes back in the dtype of ``latents``.
+        """
+        model = self._require_built()
+        dtype = model.dtype
+        batch = latents.shape[0]
+        sigma = torch.as_tensor(sigma, device=latents.device, dtype=torch.float32)
+        timestep = (sigma * 1000.0).reshape(-1).expand(batch)
+        (velocity,) = model(
+            hidden_states=latents.to(dtype),
+            encoder_hidden_states=hidden.to(dtype),
+            pooled_projections=pooled.to(dtype),
+            timestep=timestep,
+            return_dict=False,
+        )
+        return velocity.to(latents.dtype)
+
+    @contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Context in which the model is the frozen reference policy (LoRA bypassed)."""
+        model = self._require_built()
+        with preserved_requires_grad(model):
+            model.disable_adapters()
+            try:
+                yield
+            finally:
+                model.enable_adapters()
+
+    def save_adapter(self, path: str) -> None:
+        """Save the LoRA adapter in the diffusers SD3 LoRA format.
+
+        Writes ``pytorch_lora_weights.safetensors`` with ``transformer.``-prefixed keys plus the LoRA
+        config as metadata: ``StableDiffusion3Pipeline.load_lora_weights(path)`` reads it as is, and a
+        bare model reads it with ``load_lora_adapter(path, use_safetensors=True)`` (without that flag
+        the model-level loader looks for a ``.bin`` file).
+        """
+        model = self._require_built()
+        SD3LoraLoaderMixin.save_lora_weights(
+            path,
+            transformer_lora_layers=get_peft_model_state_dict(model),
+            transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+        )
+
+    def load_adapter(self, path: str) -> None:
+        """Load LoRA weights written by ``save_adapter`` into this expert's adapter, in place."""
+        model = self._require_built()
+        file = Path(path) / _LORA_FILE if Path(path).is_dir() else Path(path)
+        prefix = f"{_PIPELINE_PREFIX}."
+        weights = {
+            key.removeprefix(prefix): value
+            for key, value in load_file(str(file), device=str(next(model.parameters()).device)).items()
+            if key.startswith(prefix)
+        }
+        result = set_peft_model_state_dict(model, weights)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if not weights or missing or result.unexpected_keys:
+            raise ValueError(
+                f"adapter at {path} does not match this model: missing {missing[:3]}, "
+                f"unexpected {list(result.unexpected_keys)[:3]}"
+            )

@@ -1,0 +1,244 @@
+"""The prompt-refiner expert: a ``transformers`` causal LM with a ``peft`` LoRA adapter."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.utils import load_peft_weights
+from transformers import (
+    AutoModelForCausalLM,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from unirl_pl.experts._common import (
+    check_positive,
+    preserved_requires_grad,
+    resolve_dtype,
+    seeded_cpu_init,
+)
+from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
+
+DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class CausalLMExpert(torch.nn.Module):
+    """Prompt-refiner expert: a causal LM whose only trainable weights are a LoRA adapter.
+
+    The constructor only records and validates its arguments; ``build()`` (called from the
+    LightningModule's ``configure_model``) creates the tokenizer and model, so a recipe can be parsed
+    and checked without allocating weights. With no ``pretrained_path`` it builds a tiny Qwen2 model
+    over the offline word tokenizer, initialized from ``init_seed`` without touching the global RNG;
+    with a path it loads the tokenizer and model from that local folder (or hub id) with the same code.
+    The reference policy for the KL term is this same model with the adapter disabled
+    (``adapter_disabled()``), so no second copy of the weights is kept.
+
+    Args:
+        pretrained_path: Local folder or hub id of a causal LM (and its tokenizer); ``None`` builds
+            the tiny embedded model.
+        hidden_size: Tiny model only: width of the residual stream.
+        num_layers: Tiny model only: number of decoder layers.
+        num_attention_heads: Tiny model only: query heads; must divide ``hidden_size``.
+        num_key_value_heads: Tiny model only: key/value heads (GQA); must divide ``num_attention_heads``.
+        intermediate_size: Tiny model only: width of the MLP.
+        lora_rank: LoRA rank ``r`` (>= 1).
+        lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
+        lora_target_modules: Module names that get LoRA; default ``q_proj k_proj v_proj o_proj``.
+        dtype: Dtype of the base weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights stay
+            float32, peft's default for low-precision bases).
+        init_seed: Seed of the tiny model's weights and of the LoRA init.
+    """
+
+    def __init__(
+        self,
+        pretrained_path: str | None = None,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        intermediate_size: int = 128,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_target_modules: list[str] | None = None,
+        dtype: str = "float32",
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_positive(
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            intermediate_size=intermediate_size,
+            lora_alpha=lora_alpha,
+        )
+        if lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+        if hidden_size % num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) must be divisible by "
+                f"num_attention_heads ({num_attention_heads})"
+            )
+        if num_attention_heads % num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({num_key_value_heads})"
+            )
+        if lora_target_modules is not None and not lora_target_modules:
+            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
+        self.pretrained_path = pretrained_path
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.intermediate_size = intermediate_size
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.lora_target_modules = list(lora_target_modules or DEFAULT_LLM_LORA_TARGETS)
+        self.dtype = resolve_dtype(dtype)
+        self.init_seed = init_seed
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.model: PeftModel | None = None
+        self._cache_arg_name = "past_key_values"
+
+    @property
+    def is_built(self) -> bool:
+        """Whether ``build()`` has created the tokenizer and model."""
+        return self.model is not None
+
+    def build(self) -> None:
+        """Create the tokenizer and the LoRA-wrapped model; a second call is a no-op.
+
+        Base weights are frozen; only the LoRA matrices require grad. peft initializes LoRA ``B`` to
+        zero, so at build time the policy equals the adapter-disabled reference while gradients still
+        reach ``B`` through the random ``A``.
+        """
+        if self.is_built:
+            return
+        tokenizer = self._build_tokenizer()
+        with seeded_cpu_init(self.init_seed):
+            if self.pretrained_path is None:
+                base = Qwen2ForCausalLM(self._tiny_config(tokenizer))
+            else:
+                base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
+            base = base.to(self.dtype)
+            base.requires_grad_(False)
+            lora = LoraConfig(
+                r=self.lora_rank,
+                lora_alpha=self.lora_alpha,
+                target_modules=self.lora_target_modules,
+                lora_dropout=0.0,
+                bias="none",
+                task_type="CAUSAL_LM",
+            )
+            with warnings.catch_warnings():
+                # peft still calls a transformers helper that transformers 5 deprecated; not actionable here.
+                warnings.filterwarnings(
+                    "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
+                )
+                model = get_peft_model(base, lora)
+        params = inspect.signature(base.forward).parameters
+        self._cache_arg_name = "cache" if "cache" in params else "past_key_values"
+        self.tokenizer = tokenizer
+        self.model = model
+
+    def _build_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.pretrained_path is None:
+            tokenizer = build_word_tokenizer(padding_side="left")
+        else:
+            tokenizer = load_tokenizer(self.pretrained_path)
+        # Batched generation appends new tokens on the right, so prompts must be left-padded.
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return tokenizer
+
+    def _tiny_config(self, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
+        return Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
+
+    def _require_built(self) -> PeftModel:
+        if self.model is None:
+            raise RuntimeError("CausalLMExpert.build() must be called before using the model")
+        return self.model
+
+    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
+        if self.tokenizer is None:
+            raise RuntimeError("CausalLMExpert.build() must be called before using the tokenizer")
+        return self.tokenizer
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: object | None = None,
+        use_cache: bool = False,
+    ) -> CausalLMOutputWithPast:
+        """Run the (adapted) LM and return the ``transformers`` output with ``logits`` of shape
+        (B, T, vocab) and, when ``use_cache``, the KV cache for incremental decoding. The cache is
+        ``output.cache`` on transformers >= 5 (``output.past_key_values`` still works there but is
+        deprecated) and is passed back in through ``past_key_values``."""
+        model = self._require_built()
+        # transformers 5 renamed the cache argument to ``cache``; passing the old name logs a
+        # deprecation on every call, so pick the name the loaded architecture declares.
+        cache_kwarg = {self._cache_arg_name: past_key_values} if past_key_values is not None else {}
+        return model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **cache_kwarg,
+        )
+
+    @contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Context in which the model is the frozen reference policy (LoRA bypassed)."""
+        model = self._require_built()
+        with preserved_requires_grad(model), model.disable_adapter():
+            yield
+
+    @property
+    def pad_token_id(self) -> int:
+        """Id used to left-pad prompts."""
+        return int(self._require_tokenizer().pad_token_id)
+
+    @property
+    def eos_token_id(self) -> int:
+        """Id that ends a generated refinement."""
+        return int(self._require_tokenizer().eos_token_id)
+
+    def save_adapter(self, path: str) -> None:
+        """Save only the LoRA adapter (peft format, loadable with ``PeftModel.from_pretrained``)."""
+        self._require_built().save_pretrained(path)
+
+    def load_adapter(self, path: str) -> None:
+        """Load LoRA weights saved by ``save_adapter`` into this expert's adapter, in place."""
+        model = self._require_built()
+        weights = load_peft_weights(path, device=str(next(model.parameters()).device))
+        result = set_peft_model_state_dict(model, weights)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(
+                f"adapter at {path} does not match this model: missing {missing[:3]}, "
+                f"unexpected {list(result.unexpected_keys)[:3]}"
+            )

@@ -1,0 +1,169 @@
+"""Advantages and policy losses as pure functions: GRPO for the LM's tokens, Flow-GRPO for the DiT's steps.
+
+No module state lives here, so each formula is unit-tested on its own and the LightningModule only
+feeds tensors in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    global_std: bool = False,
+    eps: float = 1e-4,
+    clip_max: float = 5.0,
+) -> Tensor:
+    """Group-relative advantages ``(r - mean_group) / (std + eps)``, clipped to ``+-clip_max``.
+
+    ``std`` is the group's (population) std, or the whole batch's with ``global_std`` (Flow-GRPO's
+    option that keeps zero-variance groups from blowing up). ``group_ids`` is a (N,) integer tensor;
+    groups need not be contiguous.
+    """
+    if rewards.shape != group_ids.shape or rewards.ndim != 1:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be (N,)")
+    r = rewards.double()
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1
+    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    total = torch.zeros_like(count).index_add_(0, inverse, r)
+    mean = (total / count)[inverse]
+    if global_std:
+        std = r.std(unbiased=False).expand_as(r)
+    else:
+        sq = torch.zeros_like(count).index_add_(0, inverse, (r - mean) ** 2)
+        std = torch.sqrt(sq / count)[inverse]
+    adv = (r - mean) / (std + eps)
+    return adv.clamp(-clip_max, clip_max).to(rewards.dtype)
+
+
+def zero_std_fraction(rewards: Tensor, group_ids: Tensor, tol: float = 1e-8) -> float:
+    """Fraction of groups whose rewards are all equal: they carry no learning signal."""
+    groups = torch.unique(group_ids)
+    flat = [float(rewards[group_ids == g].std(unbiased=False)) <= tol for g in groups]
+    return sum(flat) / max(len(flat), 1)
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(policy || reference) per token: ``exp(d) - d - 1`` with ``d = ref - logp``.
+
+    Non-negative and exactly zero where the two log-probs agree.
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    """A loss and its detached statistics (ratio mean, clip fractions, KL) for logging."""
+
+    loss: Tensor
+    pg_loss: Tensor
+    kl: Tensor
+    ratio_mean: Tensor
+    ratio_min: Tensor
+    ratio_max: Tensor
+    clip_frac_high: Tensor
+    clip_frac_low: Tensor
+
+    @property
+    def clip_frac(self) -> Tensor:
+        """Fraction of terms where either side of the clip engaged."""
+        return self.clip_frac_high + self.clip_frac_low
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum() / mask.sum().clamp_min(1)
+
+
+def clipped_surrogate(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_eps: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """PPO's clipped objective per element: ``max(-A*r, -A*clip(r, 1-eps, 1+eps))`` with ``r = exp(logp - old)``.
+
+    Returns ``(loss, ratio, clipped_high, clipped_low)`` elementwise; the clipped masks mark where
+    the clipped branch is the active (larger) one, split by side so a one-sided clip before any
+    update (the signature of a biased recompute) is visible.
+    """
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = torch.maximum(unclipped, clipped)
+    active = clipped > unclipped
+    high = (active & (ratio > 1 + clip_eps)).float()
+    low = (active & (ratio < 1 - clip_eps)).float()
+    return loss, ratio, high, low
+
+
+def grpo_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    clip_eps: float = 0.2,
+    beta: float = 0.0,
+) -> LossOutput:
+    """Token-level GRPO loss for the refiner LM.
+
+    ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are (N, T) over generated tokens; ``advantages``
+    is (N,), broadcast to every token of its sample. The loss averages over all real tokens of the
+    batch (token-level, so long refinements weigh by their length) and adds ``beta`` times the k3
+    KL to the adapter-disabled reference.
+    """
+    mask = mask.to(logp.dtype)
+    per_token, ratio, high, low = clipped_surrogate(logp, old_logp, advantages[:, None], clip_eps)
+    pg = _masked_mean(per_token, mask)
+    kl = _masked_mean(k3_kl(logp, ref_logp), mask) if ref_logp is not None else logp.new_zeros(())
+    loss = pg + beta * kl if ref_logp is not None else pg
+    real = mask.bool()
+    r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
+    return LossOutput(
+        loss=loss,
+        pg_loss=pg.detach(),
+        kl=kl.detach(),
+        ratio_mean=r.mean(),
+        ratio_min=r.min(),
+        ratio_max=r.max(),
+        clip_frac_high=_masked_mean(high, mask).detach(),
+        clip_frac_low=_masked_mean(low, mask).detach(),
+    )
+
+
+def flow_grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    *,
+    kl: Tensor | None = None,
+    clip_eps: float = 1e-4,
+    beta: float = 0.0,
+) -> LossOutput:
+    """Flow-GRPO's PPO loss for one denoising step over a batch of (N,) samples.
+
+    ``logp``/``old_logp`` are the step's per-sample SDE log-probs, ``kl`` the per-sample
+    :func:`unirl_pl.sampling.flow_kl` against the reference; the loss is the batch mean of the
+    clipped surrogate plus ``beta`` times the mean KL.
+    """
+    per_sample, ratio, high, low = clipped_surrogate(logp, old_logp, advantages, clip_eps)
+    pg = per_sample.mean()
+    kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
+    loss = pg + beta * kl_mean if kl is not None else pg
+    r = ratio.detach()
+    return LossOutput(
+        loss=loss,
+        pg_loss=pg.detach(),
+        kl=kl_mean.detach(),
+        ratio_mean=r.mean(),
+        ratio_min=r.min(),
+        ratio_max=r.max(),
+        clip_frac_high=high.mean(),
+        clip_frac_low=low.mean(),
+    )

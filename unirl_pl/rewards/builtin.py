@@ -1,0 +1,179 @@
+"""Built-in rewards, the registry that names them, and the weighted sum a recipe configures."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import io
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+RewardFn = Callable[[list[str], list[str], Tensor], list[float]]
+
+
+def _to_uint8(images: Tensor) -> np.ndarray:
+    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
+    return arr.permute(0, 2, 3, 1).cpu().numpy()
+
+
+def _jpeg_kb(images: Tensor, quality: int = 95) -> list[float]:
+    sizes = []
+    for img in _to_uint8(images):
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="JPEG", quality=quality)
+        sizes.append(buf.tell() / 1000)
+    return sizes
+
+
+def jpeg_compressibility(prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+    """DDPO's compressibility: minus the JPEG size (kB, quality 95) of each image; simpler images score higher."""
+    return [-s for s in _jpeg_kb(images)]
+
+
+def jpeg_incompressibility(prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+    """DDPO's incompressibility: the JPEG size (kB, quality 95); detailed images score higher."""
+    return _jpeg_kb(images)
+
+
+class Brightness:
+    """Mean pixel intensity in [0, 1] (optionally of one channel): a reward a generator can move quickly.
+
+    Args:
+        channel: 0/1/2 for red/green/blue only, or None for all channels.
+    """
+
+    def __init__(self, channel: int | None = None) -> None:
+        if channel is not None and channel not in (0, 1, 2):
+            raise ValueError(f"channel must be 0, 1, 2 or None, got {channel}")
+        self.channel = channel
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        x = images.float() if self.channel is None else images[:, self.channel : self.channel + 1].float()
+        return x.mean(dim=(1, 2, 3)).tolist()
+
+
+class ContainsWord:
+    """1 if the refined prompt contains ``word`` as a whole word, else 0: a reward the refiner can learn.
+
+    Args:
+        word: The target word (matched case-insensitively).
+    """
+
+    def __init__(self, word: str = "red") -> None:
+        if not word.strip() or " " in word.strip():
+            raise ValueError(f"word must be a single non-empty word, got {word!r}")
+        self.word = word.strip().lower()
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        return [float(self.word in r.lower().split()) for r in refined_prompts]
+
+
+class RefinerFormat:
+    """Format/length reward for refinements: 1 inside ``[min_words, max_words]``, decaying outside.
+
+    A refinement that repeats a word more than ``max_repeats`` times scores 0, which stops the
+    refiner from collapsing into a repeated token.
+
+    Args:
+        min_words: Fewest words of a well-formed refinement.
+        max_words: Most words of a well-formed refinement.
+        max_repeats: Most occurrences of any one word.
+    """
+
+    def __init__(self, min_words: int = 3, max_words: int = 16, max_repeats: int = 3) -> None:
+        if not 0 < min_words <= max_words:
+            raise ValueError(f"need 0 < min_words <= max_words, got {min_words}, {max_words}")
+        self.min_words, self.max_words, self.max_repeats = min_words, max_words, max_repeats
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        scores = []
+        for text in refined_prompts:
+            words = text.split()
+            if words and max(words.count(w) for w in set(words)) > self.max_repeats:
+                scores.append(0.0)
+                continue
+            n = len(words)
+            gap = self.min_words - n if n < self.min_words else max(0, n - self.max_words)
+            scores.append(math.exp(-gap / 2))
+        return scores
+
+
+REGISTRY: dict[str, Callable[..., RewardFn]] = {
+    "jpeg_compressibility": lambda: jpeg_compressibility,
+    "jpeg_incompressibility": lambda: jpeg_incompressibility,
+    "brightness": Brightness,
+    "contains_word": ContainsWord,
+    "refiner_format": RefinerFormat,
+}
+
+
+def _shapes_geneval(**kwargs: Any) -> RewardFn:
+    from unirl_pl.rewards.shapes import ShapesGenEval
+
+    return ShapesGenEval(**kwargs)
+
+
+REGISTRY["shapes_geneval"] = _shapes_geneval
+
+
+def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
+    """A reward from its registry name or dotted path; classes are instantiated with ``kwargs``.
+
+    A dotted path to a plain function uses it as is (``kwargs`` must then be empty).
+    """
+    kwargs = dict(kwargs or {})
+    if name in REGISTRY:
+        factory = REGISTRY[name]
+    elif "." in name:
+        module_name, _, attr = name.rpartition(".")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
+        if not inspect.isclass(factory):
+            if kwargs:
+                raise ValueError(f"reward {name!r} is a function; it takes no reward_args")
+            return factory
+    else:
+        known = ", ".join(sorted(REGISTRY))
+        raise ValueError(f"unknown reward {name!r}; built-in rewards are {known}, or give a dotted path")
+    try:
+        return factory(**kwargs)
+    except TypeError as err:
+        raise ValueError(f"reward {name!r}: bad reward_args {kwargs}: {err}") from None
+
+
+class WeightedSum:
+    """The scalar reward: ``sum_i w_i * reward_i``, keeping each term's values for logging.
+
+    Args:
+        weights: Reward name (registry key or dotted path) -> weight.
+        reward_args: Reward name -> constructor keyword arguments, for rewards that take some.
+    """
+
+    def __init__(self, weights: dict[str, float], reward_args: dict[str, dict[str, Any]] | None = None) -> None:
+        if not weights:
+            raise ValueError("at least one reward is needed")
+        reward_args = reward_args or {}
+        stray = set(reward_args) - set(weights)
+        if stray:
+            raise ValueError(f"reward_args given for rewards not in the weights: {sorted(stray)}")
+        self.weights = dict(weights)
+        self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error."""
+        parts: dict[str, Tensor] = {}
+        for name, fn in self.terms.items():
+            values = fn(prompts, refined_prompts, images)
+            if len(values) != len(prompts):
+                raise ValueError(f"reward {name!r} returned {len(values)} values for {len(prompts)} samples")
+            parts[name] = torch.as_tensor(values, dtype=torch.float32)
+        total = sum(self.weights[n] * v for n, v in parts.items())
+        return total, parts

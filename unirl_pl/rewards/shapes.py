@@ -1,0 +1,97 @@
+"""ShapesWorld GenEval-style reward: verify each image against the scene its ORIGINAL prompt asked for.
+
+The refined prompt is deliberately ignored for scoring: a refiner must not be able to earn reward by
+rewriting the request into something easier, only by helping the generator draw what the user asked.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from unirl_pl.shapes.prompts import spec_of
+from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec
+from unirl_pl.shapes.verify import Verdict, verify
+
+SCORES: tuple[str, ...] = ("soft", "strict")
+
+
+@lru_cache(maxsize=65536)
+def _cached_spec(prompt: str) -> SceneSpec:
+    # Prompt sets are small and revisited every epoch; parsing once per distinct prompt is enough.
+    return spec_of(prompt)
+
+
+def _images_to_numpy(images: torch.Tensor, n: int) -> np.ndarray:
+    """(N, 3, H, W) float tensor in [0, 1] -> (N, H, W, 3) float32 numpy, refusing malformed input."""
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images must be a torch.Tensor, got {type(images).__name__}")
+    if images.ndim != 4 or images.shape[1] != 3:
+        raise ValueError(f"images must have shape (N, 3, H, W), got {tuple(images.shape)}")
+    if images.shape[0] != n:
+        raise ValueError(f"got {images.shape[0]} images for {n} prompts")
+    if not images.is_floating_point():
+        raise ValueError(f"images must be float in [0, 1], got dtype {images.dtype}")
+    return images.detach().to(device="cpu", dtype=torch.float32).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def _verdicts(prompts: list[str], images: torch.Tensor) -> list[Verdict]:
+    arrays = _images_to_numpy(images, len(prompts))
+    return [verify(_cached_spec(p), img) for p, img in zip(prompts, arrays, strict=True)]
+
+
+class ShapesGenEval:
+    """The ShapesWorld reward: per-image verifier score of the original prompt's scene.
+
+    ``score="soft"`` returns the fraction of the scene's constraints that hold (a dense RL signal);
+    ``score="strict"`` returns 1.0 only when all hold (GenEval's accuracy). ``per_category`` gives
+    both as means per GenEval category for validation metrics.
+    """
+
+    def __init__(self, score: str = "soft") -> None:
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        self.score = score
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
+        """Score ``images`` (float (N, 3, H, W) in [0, 1]) against ``prompts``; ``refined_prompts`` is unused.
+
+        Returns N floats in [0, 1]. Raises ValueError when lengths disagree or a prompt is not a
+        ShapesWorld prompt.
+        """
+        if len(refined_prompts) != len(prompts):
+            raise ValueError(f"got {len(refined_prompts)} refined prompts for {len(prompts)} prompts")
+        verdicts = _verdicts(prompts, images)
+        if self.score == "strict":
+            return [float(v.strict) for v in verdicts]
+        return [float(v.soft) for v in verdicts]
+
+    def per_category(self, prompts: list[str], images: torch.Tensor) -> dict[str, float]:
+        """Mean strict and soft scores per category and overall, keyed like ``strict/counting``.
+
+        Categories absent from the batch are left out; ``overall`` is the mean over images (not over
+        categories), matching how a reward mean is logged.
+        """
+        verdicts = _verdicts(prompts, images)
+        groups: dict[str, list[Verdict]] = defaultdict(list)
+        for prompt, verdict in zip(prompts, verdicts, strict=True):
+            groups[_cached_spec(prompt).category].append(verdict)
+        groups["overall"] = verdicts
+        out: dict[str, float] = {}
+        for name in (*CATEGORIES, "overall"):
+            if groups.get(name):
+                out[f"strict/{name}"] = float(np.mean([v.strict for v in groups[name]]))
+                out[f"soft/{name}"] = float(np.mean([v.soft for v in groups[name]]))
+        return out
+
+
+def shapes_geneval(prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
+    """Soft ShapesWorld GenEval reward: for each image, the fraction of its original prompt's constraints met.
+
+    ``images`` is float (N, 3, H, W) in [0, 1]; each is scored against ``canonical_of(prompt)``
+    parsed into a scene, never against the refined prompt.
+    """
+    return ShapesGenEval("soft")(prompts, refined_prompts, images)

@@ -1,0 +1,114 @@
+"""Flow-matching samplers: the ODE Euler step, the Flow-GRPO SDE step with its Gaussian log-prob, schedules.
+
+Everything here is a pure function of tensors so the same code serves the rollout (no grad), the
+training recompute (grad) and the C2 gate; the formulas follow DESIGN.md to 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+_LOG_SQRT_2PI = math.log(math.sqrt(2 * math.pi))
+
+
+def flow_sigmas(num_steps: int, shift: float = 1.0) -> Tensor:
+    """Return the ``num_steps + 1`` float64 sigmas from 1 to 0 of a flow-matching schedule.
+
+    ``shift`` is SD3's resolution shift ``s' = shift*s / (1 + (shift-1)*s)``; 1 gives a linear
+    schedule. Float64 keeps the per-step ``dt`` identical however callers slice the schedule.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0, got {shift}")
+    s = torch.linspace(1.0, 0.0, num_steps + 1, dtype=torch.float64)
+    return shift * s / (1 + (shift - 1) * s)
+
+
+def _as_batch(value: float | Tensor, like: Tensor) -> Tensor:
+    """Broadcast a float or per-sample (B,) tensor to ``like``'s rank, float32, on its device."""
+    t = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if t.ndim == 0:
+        return t.reshape([1] * like.ndim)
+    if t.ndim != 1 or t.shape[0] != like.shape[0]:
+        raise ValueError(f"sigma must be a float or a (B,) tensor with B={like.shape[0]}, got {tuple(t.shape)}")
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def ode_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next: float | Tensor) -> Tensor:
+    """Deterministic Euler step ``x + (s' - s) * v`` of the probability-flow ODE."""
+    dt = _as_batch(sigma_next, sample) - _as_batch(sigma, sample)
+    return (sample.float() + dt * velocity.float()).to(sample.dtype)
+
+
+def flow_sde_step_with_logprob(
+    sample: Tensor,
+    velocity: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    sigma_max: float,
+    noise_level: float = 0.7,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One Flow-GRPO SDE step and the Gaussian log-density of its result.
+
+    Returns ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: the next latent (drawn unless
+    ``prev_sample`` is given, which is how training re-scores a captured step), the per-sample
+    log-prob averaged over non-batch dimensions (float32, next latent detached), the step's mean
+    and the (B,1,...) noise scale ``std`` before the ``sqrt(-dt)`` factor. ``generator`` may be one
+    generator or one per sample, so a sample's noise does not depend on its batch position.
+    ``noise_level = 0`` reduces exactly to :func:`ode_step` with a log-prob of zero.
+    """
+    x = sample.float()
+    v = velocity.float()
+    s = _as_batch(sigma, x)
+    s_next = _as_batch(sigma_next, x)
+    dt = s_next - s
+    # At s == 1 the variance term divides by zero; Flow-GRPO substitutes sigma_max = sigmas[1].
+    denom = 1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)
+    std = torch.sqrt(s / denom) * noise_level
+    mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
+    scale = std * torch.sqrt(-dt)
+
+    if prev_sample is None:
+        noise = randn_like_per_sample(x, generator)
+        prev = mean + scale * noise
+    else:
+        prev = prev_sample.float()
+    prev = prev.detach()
+    if noise_level == 0:
+        log_prob = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    else:
+        log_prob = -((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
+        log_prob = log_prob.mean(dim=tuple(range(1, x.ndim)))
+    return prev.to(sample.dtype), log_prob, mean, std
+
+
+def randn_like_per_sample(like: Tensor, generator: torch.Generator | list[torch.Generator] | None) -> Tensor:
+    """Standard normal noise shaped like ``like``; a list of generators draws row ``i`` from ``generator[i]``.
+
+    Per-sample generators make each sample's noise a function of its own seed only, not of the
+    batch it happens to be in; that is what keeps rollouts identical across batch sizes and ranks.
+    """
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != like.shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {like.shape[0]}")
+        rows = [
+            torch.randn(like.shape[1:], generator=g, dtype=torch.float32, device=g.device) for g in generator
+        ]
+        return torch.stack(rows).to(like.device)
+    return torch.randn(like.shape, generator=generator, dtype=torch.float32, device=like.device)
+
+
+def flow_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
+    """Per-sample KL between the policy's and the reference's SDE step Gaussians (shared std).
+
+    ``mean((mean - ref_mean)^2) / (2 std^2)`` over non-batch dims, as Flow-GRPO's KL term.
+    """
+    dims = tuple(range(1, mean.ndim))
+    return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)

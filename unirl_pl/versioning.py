@@ -1,0 +1,95 @@
+"""Per-component weight versions and the caches scoped to them.
+
+A version is an integer per component, 0 at start, bumped on each optimizer step of that expert.
+Cached features are keyed by (component, version, input), so an update to one expert can only
+invalidate what was computed by that expert: the frozen text encoder's cache stays warm while the
+LM and the DiT train.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class VersionLedger:
+    """Integer weight version per component; ``bump`` on an optimizer step, never for a frozen one."""
+
+    def __init__(self, components: Sequence[str]) -> None:
+        self._versions = {name: 0 for name in components}
+
+    def __getitem__(self, name: str) -> int:
+        return self._versions[name]
+
+    def bump(self, name: str) -> int:
+        """Advance ``name``'s version after its weights changed; return the new version."""
+        self._versions[name] += 1
+        return self._versions[name]
+
+    def as_dict(self) -> dict[str, int]:
+        """A copy of all versions, for logging and checkpoints."""
+        return dict(self._versions)
+
+    def load(self, versions: dict[str, int]) -> None:
+        """Restore versions saved by :meth:`as_dict` (unknown components are an error)."""
+        unknown = set(versions) - set(self._versions)
+        if unknown:
+            raise KeyError(f"checkpoint has versions for unknown components {sorted(unknown)}")
+        self._versions.update({k: int(v) for k, v in versions.items()})
+
+
+class FeatureCache:
+    """An LRU cache of per-text features keyed by (component, version, text), with hit statistics.
+
+    ``get_or_compute`` looks every text up, computes the misses in one batched call and returns the
+    features stacked in input order, so a group of K samples sharing a prompt encodes it once.
+    """
+
+    def __init__(self, ledger: VersionLedger, max_entries: int = 4096) -> None:
+        self.ledger = ledger
+        self.max_entries = max_entries
+        self._store: OrderedDict[tuple[str, int, str], tuple[Tensor, ...]] = OrderedDict()
+        self.hits = 0
+        self.lookups = 0
+
+    def get_or_compute(
+        self, component: str, texts: Sequence[str], compute: Callable[[list[str]], tuple[Tensor, ...]]
+    ) -> tuple[Tensor, ...]:
+        """Features for ``texts`` from ``component`` at its current version; misses computed together."""
+        version = self.ledger[component]
+        keys = [(component, version, t) for t in texts]
+        missing = list(dict.fromkeys(t for k, t in zip(keys, texts, strict=True) if k not in self._store))
+        self.lookups += len(texts)
+        self.hits += len(texts) - len(missing)
+        if missing:
+            feats = compute(missing)
+            for i, text in enumerate(missing):
+                self._store[(component, version, text)] = tuple(f[i].detach() for f in feats)
+        for k in keys:
+            self._store.move_to_end(k)
+        out = [self._store[k] for k in keys]
+        while len(self._store) > self.max_entries:
+            self._store.popitem(last=False)
+        return tuple(torch.stack(parts) for parts in zip(*out, strict=True))
+
+    def hit_rate(self, reset: bool = True) -> float:
+        """Hits / lookups since the last reset (0 when nothing was looked up)."""
+        rate = self.hits / self.lookups if self.lookups else 0.0
+        if reset:
+            self.hits = self.lookups = 0
+        return rate
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def entries_for(self, component: str) -> list[tuple[str, int, str]]:
+        """Keys currently cached for ``component`` (for tests and diagnostics)."""
+        return [k for k in self._store if k[0] == component]
+
+    def state(self) -> dict[str, Any]:
+        """Counters only: cached tensors are derived data and are recomputed after a resume."""
+        return {"entries": len(self._store), "hits": self.hits, "lookups": self.lookups}
