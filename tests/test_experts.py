@@ -122,6 +122,18 @@ def test_only_lora_weights_train(name: str) -> None:
     assert all(p.dtype == torch.float32 for p in expert.parameters() if p.requires_grad)
 
 
+def test_low_precision_base_keeps_float32_lora() -> None:
+    llm = _built(lambda: CausalLMExpert(dtype="bfloat16"))
+    dit = _built(lambda: FlowTransformerExpert(dtype="bfloat16"))
+    for expert in (llm, dit):
+        dtypes = {n: p.dtype for n, p in expert.named_parameters()}
+        assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n)
+        assert all(d == torch.bfloat16 for n, d in dtypes.items() if "lora_" not in n)
+    assert llm(**_lm_batch(llm)).logits.isfinite().all()
+    latents, sigma, hidden, pooled = _dit_inputs()
+    assert dit.velocity(latents, sigma, hidden, pooled).dtype == torch.float32
+
+
 @pytest.mark.parametrize("name", ["text_encoder", "vae"])
 def test_frozen_components_stay_frozen_and_in_eval(name: str) -> None:
     expert = _built(FACTORIES[name])
@@ -182,8 +194,14 @@ def test_llm_forward_cache_and_reference() -> None:
         policy = expert(**batch).logits
         with expert.adapter_disabled():
             ref_after = expert(**batch).logits
+            with expert.adapter_disabled():  # nesting keeps the outer reference in place
+                pass
+            ref_nested = expert(**batch).logits
+        torch.testing.assert_close(expert(**batch).logits, policy, atol=0, rtol=0)
     assert (policy - ref).abs().max() > 1e-4
     torch.testing.assert_close(ref_after, ref, atol=0, rtol=0)
+    torch.testing.assert_close(ref_nested, ref, atol=0, rtol=0)
+    assert all(p.requires_grad for n, p in expert.named_parameters() if "lora_" in n)
 
 
 def test_llm_adapter_toggle_keeps_requires_grad() -> None:
@@ -250,8 +268,13 @@ def test_dit_velocity_and_reference() -> None:
         policy = expert.velocity(latents, sigma, hidden, pooled)
         with expert.adapter_disabled():
             ref_after = expert.velocity(latents, sigma, hidden, pooled)
+            with expert.adapter_disabled():  # nesting keeps the outer reference in place
+                pass
+            ref_nested = expert.velocity(latents, sigma, hidden, pooled)
+        torch.testing.assert_close(expert.velocity(latents, sigma, hidden, pooled), policy, atol=0, rtol=0)
     assert (policy - ref).abs().max() > 1e-4
     torch.testing.assert_close(ref_after, ref, atol=0, rtol=0)
+    torch.testing.assert_close(ref_nested, ref, atol=0, rtol=0)
 
 
 def _plain_dit(expert: FlowTransformerExpert) -> SD3Transformer2DModel:
@@ -298,17 +321,18 @@ def test_dit_loads_from_pipeline_folder_and_adapter_round_trips(tmp_path: Path) 
 
 def test_text_encoder_fixed_length_and_eos_pooling() -> None:
     expert = _built(TextEncoderExpert)
-    long_prompt = " ".join(["red circle"] * 40)
-    hidden, pooled = expert.encode([*PROMPTS, long_prompt])
-    assert hidden.shape == (3, 24, expert.hidden_size) and pooled.shape == (3, expert.pooled_size)
+    texts = [*PROMPTS, " ".join(["red circle"] * 40), ""]  # short, truncated, empty (unconditional)
+    hidden, pooled = expert.encode(texts)
+    assert hidden.shape == (4, 24, expert.hidden_size) and pooled.shape == (4, expert.pooled_size)
     assert not hidden.requires_grad and not pooled.requires_grad
-    ids = expert.tokenize([*PROMPTS, long_prompt])
+    ids = expert.tokenize(texts)
     eos = expert.tokenizer.eos_token_id
-    assert ids.shape == (3, 24) and ids[2, -1] == eos and (ids == eos).sum(1).tolist() == [1, 1, 1]
+    assert ids.shape == (4, 24) and ids[2, -1] == eos and ids[3, 0] == eos
+    assert (ids == eos).sum(1).tolist() == [1, 1, 1, 1]
     # Pooled features are the projection of the hidden state at the end-of-text token.
     eos_pos = (ids == eos).int().argmax(1)
     with torch.no_grad():
-        projected = expert.model.text_projection(hidden[torch.arange(3), eos_pos])
+        projected = expert.model.text_projection(hidden[torch.arange(4), eos_pos])
     torch.testing.assert_close(projected, pooled)
     alone_hidden, alone_pooled = expert.encode(PROMPTS[:1])
     torch.testing.assert_close(alone_hidden[0], hidden[0], atol=1e-5, rtol=1e-5)

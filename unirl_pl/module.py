@@ -58,7 +58,7 @@ class UniRLModule(pl.LightningModule):
         llm: The prompt-refiner LM expert (None for a generator-only card).
         vae: Frozen VAE decoding latents to images (None: the DiT works in pixel space, 3 channels in [-1, 1]).
         mode: ``joint`` trains both experts; ``prompt_only`` trains the LM and samples the frozen DiT with
-            the ODE; ``generator_only`` never runs the LM and trains the DiT on the original prompts.
+            the ODE; ``generator_only`` never runs (or changes) the LM and trains the DiT on the original prompts.
         rollout: How both loops sample (tokens, steps, SDE window, micro-batches).
         rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward.
         reward_args: Reward name -> keyword arguments for rewards that take some.
@@ -91,8 +91,6 @@ class UniRLModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        if mode == "generator_only":
-            llm = None
         self.card = Card.unified(has_llm=llm is not None, has_vae=vae is not None)
         self.card.validate(mode)
         if ppo_epochs < 1:
@@ -192,7 +190,8 @@ class UniRLModule(pl.LightningModule):
         assert self.engine is not None
         self.engine.seed = data.seed
         k, m, p = data.samples_per_prompt, data.images_per_refinement, len(batch.prompts)
-        skip = data.num_skip_refinement if self.llm is not None else k
+        runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
+        skip = data.num_skip_refinement if runs_lm else k
         texts = [q for q in batch.prompts for _ in range(k)]
         req = [r for r in batch.request_ids for _ in range(k)]
         idx = [j for _ in range(p) for j in range(k)]
@@ -377,7 +376,7 @@ class UniRLModule(pl.LightningModule):
     def _serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
         n = len(batch.prompts)
         refined = list(batch.prompts)
-        if self.llm is not None:
+        if self.llm is not None and self.card.runs_loop(self.mode, "ar_decode"):
             refined, _ = self.refine(list(batch.prompts), batch.request_ids, [0] * n, "serve")
         images, _ = self.draw(refined, batch.request_ids, [0] * n, "serve")
         return refined, images

@@ -11,6 +11,7 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders import SD3LoraLoaderMixin
 from peft import LoraConfig, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
@@ -231,6 +232,10 @@ class FlowTransformerExpert(torch.nn.Module):
     def adapter_disabled(self) -> Iterator[None]:
         """Context in which the model is the frozen reference policy (LoRA bypassed)."""
         model = self._require_built()
+        already_disabled = any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
+        if already_disabled:  # nested use: the outer context re-enables
+            yield
+            return
         with preserved_requires_grad(model):
             model.disable_adapters()
             try:

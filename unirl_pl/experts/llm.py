@@ -54,6 +54,9 @@ class CausalLMExpert(torch.nn.Module):
         dtype: Dtype of the base weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights stay
             float32, peft's default for low-precision bases).
         init_seed: Seed of the tiny model's weights and of the LoRA init.
+        initializer_range: Tiny model only: std of the random init. Larger than HF's 0.02 by default
+            because with tied embeddings a 0.02 init bounds every logit near 0: the policy is stuck
+            near uniform and no LoRA update can make one token likely, unlike a real LM.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class CausalLMExpert(torch.nn.Module):
         lora_target_modules: list[str] | None = None,
         dtype: str = "float32",
         init_seed: int = 0,
+        initializer_range: float = 0.2,
     ) -> None:
         super().__init__()
         check_positive(
@@ -78,6 +82,7 @@ class CausalLMExpert(torch.nn.Module):
             num_key_value_heads=num_key_value_heads,
             intermediate_size=intermediate_size,
             lora_alpha=lora_alpha,
+            initializer_range=initializer_range,
         )
         if lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
@@ -104,6 +109,7 @@ class CausalLMExpert(torch.nn.Module):
         self.lora_target_modules = list(lora_target_modules or DEFAULT_LLM_LORA_TARGETS)
         self.dtype = resolve_dtype(dtype)
         self.init_seed = init_seed
+        self.initializer_range = initializer_range
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: PeftModel | None = None
         self._cache_arg_name = "past_key_values"
@@ -125,10 +131,10 @@ class CausalLMExpert(torch.nn.Module):
         tokenizer = self._build_tokenizer()
         with seeded_cpu_init(self.init_seed):
             if self.pretrained_path is None:
-                base = Qwen2ForCausalLM(self._tiny_config(tokenizer))
+                base = Qwen2ForCausalLM(self._tiny_config(tokenizer)).to(self.dtype)
             else:
+                # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
                 base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
-            base = base.to(self.dtype)
             base.requires_grad_(False)
             lora = LoraConfig(
                 r=self.lora_rank,
@@ -171,6 +177,7 @@ class CausalLMExpert(torch.nn.Module):
             max_position_embeddings=256,
             tie_word_embeddings=True,
             attention_dropout=0.0,
+            initializer_range=self.initializer_range,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id,
             bos_token_id=tokenizer.bos_token_id,
