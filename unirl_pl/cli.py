@@ -1,7 +1,10 @@
-"""``python -m unirl_pl {fit,validate,predict}``: LightningCLI over :class:`UniRLModule` and :class:`PromptDataModule`.
+"""``python -m unirl_pl {fit,validate,predict}``: one LightningCLI for every recipe.
 
-Optimizers are per expert (``model.llm_optimizer``, ``model.transformer_optimizer``), so
-LightningCLI's single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
+A recipe names its LightningModule and DataModule by ``class_path`` (the RL trainer
+:class:`unirl_pl.module.UniRLModule` with :class:`unirl_pl.data.PromptDataModule`, or a pretraining
+module), so RL and pretraining run through the same entry point; dotted overrides may skip
+``init_args`` (``--model.mode=prompt_only``). Optimizers are per expert, so LightningCLI's
+single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
 """
 
 from __future__ import annotations
@@ -9,11 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import FSDPStrategy
-
-from unirl_pl.data import PromptDataModule
-from unirl_pl.module import UniRLModule
 
 
 class UniRLCLI(LightningCLI):
@@ -41,8 +42,10 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     """Run the CLI (``args`` as on the command line; None reads ``sys.argv``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     return UniRLCLI(
-        UniRLModule,
-        PromptDataModule,
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
         auto_configure_optimizers=False,
         save_config_kwargs={"overwrite": True},
         args=args,
