@@ -31,7 +31,9 @@ class RewardRangeCheck(pl.Callback):
         self.low, self.high = low, high
         self.checked = 0
 
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         rewards = getattr(batch, "rewards", None)
         if rewards is None:
             return

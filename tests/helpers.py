@@ -15,7 +15,8 @@ def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: st
     """Run ``python -m unirl_pl <subcommand> --config <config> ...`` in this process; return the CLI object."""
     args = [
         subcommand,
-        "--config", config,
+        "--config",
+        config,
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         f"--trainer.logger.init_args.name={name}",
         f"--trainer.default_root_dir={tmp_path}",

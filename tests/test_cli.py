@@ -8,10 +8,22 @@ from tests.helpers import JOINT, read_metrics, run_cli, series
 from unirl_pl.cli import main
 from unirl_pl.experts import FlowTransformerExpert
 
-REQUIRED = ["reward/mean", "llm/pg_loss", "llm/kl", "transformer/pg_loss", "transformer/kl",
-            "transformer/ratio_mean", "transformer/grad_norm", "c2/llm_max_abs_diff",
-            "c2/transformer_max_abs_diff", "version/llm", "version/transformer", "version/text_encoder",
-            "cache/text_encoder_hit_rate", "advantage/zero_std_frac"]
+REQUIRED = [
+    "reward/mean",
+    "llm/pg_loss",
+    "llm/kl",
+    "transformer/pg_loss",
+    "transformer/kl",
+    "transformer/ratio_mean",
+    "transformer/grad_norm",
+    "c2/llm_max_abs_diff",
+    "c2/transformer_max_abs_diff",
+    "version/llm",
+    "version/transformer",
+    "version/text_encoder",
+    "cache/text_encoder_hit_rate",
+    "advantage/zero_std_frac",
+]
 
 
 def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
@@ -30,8 +42,13 @@ def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
 
 
 def test_each_optimizer_has_its_own_learning_rate(tmp_path):
-    cli = run_cli(tmp_path, "--trainer.max_steps=1", "--model.llm_optimizer.init_args.lr=0.003",
-                  "--model.transformer_optimizer.init_args.lr=0.0007", "--trainer.limit_val_batches=0")
+    cli = run_cli(
+        tmp_path,
+        "--trainer.max_steps=1",
+        "--model.llm_optimizer.init_args.lr=0.003",
+        "--model.transformer_optimizer.init_args.lr=0.0007",
+        "--trainer.limit_val_batches=0",
+    )
     llm_opt, dit_opt = cli.model.optimizers()
     assert llm_opt.param_groups[0]["lr"] == pytest.approx(0.003)
     assert dit_opt.param_groups[0]["lr"] == pytest.approx(0.0007)
@@ -41,9 +58,17 @@ def test_each_optimizer_has_its_own_learning_rate(tmp_path):
 
 def test_predict_writes_pngs(tmp_path):
     out = tmp_path / "pngs"
-    main(["predict", "--config", JOINT, "--trainer.enable_progress_bar=false",
-          f"--trainer.callbacks=[{{class_path: unirl_pl.callbacks.ImageWriter, init_args: {{output_dir: {out}}}}}]",
-          "--data.predict_prompts=[a red circle, two blue squares]", "--trainer.logger=false"])
+    main(
+        [
+            "predict",
+            "--config",
+            JOINT,
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.callbacks=[{{class_path: unirl_pl.callbacks.ImageWriter, init_args: {{output_dir: {out}}}}}]",
+            "--data.predict_prompts=[a red circle, two blue squares]",
+            "--trainer.logger=false",
+        ]
+    )
     assert sorted(p.name for p in out.glob("*.png")) == ["0_0000_00.png", "0_0000_01.png"]
     assert len((out / "predictions.jsonl").read_text().splitlines()) == 2
 
@@ -59,8 +84,10 @@ def test_print_config_round_trips(tmp_path, capsys):
 @pytest.fixture
 def no_build(monkeypatch):
     """Any model build fails loudly: bad input must be refused before it."""
+
     def boom(self):
         raise AssertionError("a model was built before the config was validated")
+
     monkeypatch.setattr(FlowTransformerExpert, "build", boom)
 
 
@@ -85,7 +112,9 @@ def test_unknown_key_in_a_recipe_file_is_named(no_build, capsys, tmp_path):
 
 
 def test_samples_per_prompt_below_two(no_build, capsys):
-    _expect_error(capsys, ["--data.samples_per_prompt=1", "--data.num_skip_refinement=0"], "samples_per_prompt must be >= 2")
+    _expect_error(
+        capsys, ["--data.samples_per_prompt=1", "--data.num_skip_refinement=0"], "samples_per_prompt must be >= 2"
+    )
 
 
 def test_num_skip_refinement_not_below_samples(no_build, capsys):

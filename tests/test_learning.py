@@ -29,8 +29,14 @@ COMMON = ("--trainer.limit_val_batches=0", "--model.reward_args=null")
 
 
 def test_prompt_only_learns_a_refiner_reward_and_keeps_the_dit_frozen(tmp_path):
-    cli = run_cli(tmp_path, "--model.mode=prompt_only", "--trainer.max_steps=50", *COMMON,
-                  "--model.rewards={contains_word: 1.0}", "--model.llm_optimizer.init_args.lr=0.01")
+    cli = run_cli(
+        tmp_path,
+        "--model.mode=prompt_only",
+        "--trainer.max_steps=50",
+        *COMMON,
+        "--model.rewards={contains_word: 1.0}",
+        "--model.llm_optimizer.init_args.lr=0.01",
+    )
     rows = read_metrics(cli)
     reward = series(rows, "reward/mean")
     assert _rise(reward) > 0.2, reward
@@ -44,8 +50,14 @@ def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, m
         raise AssertionError("generator_only ran the LM")
 
     monkeypatch.setattr(CausalLMExpert, "forward", never)
-    cli = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=40", *COMMON,
-                  "--model.rewards={brightness: 1.0}", "--model.transformer_optimizer.init_args.lr=0.01")
+    cli = run_cli(
+        tmp_path,
+        "--model.mode=generator_only",
+        "--trainer.max_steps=40",
+        *COMMON,
+        "--model.rewards={brightness: 1.0}",
+        "--model.transformer_optimizer.init_args.lr=0.01",
+    )
     rows = read_metrics(cli)
     reward = series(rows, "reward/mean")
     # Brightness through the tiny random VAE moves by ~0.02 over 40 steps; the per-step noise is ~0.003.
@@ -56,10 +68,24 @@ def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, m
 
 def test_generator_update_is_a_real_policy_gradient_step(tmp_path):
     """Flipping the reward's sign flips the direction the generator moves the reward."""
-    up = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=20", *COMMON,
-                 "--model.rewards={brightness: 1.0}", "--model.transformer_optimizer.init_args.lr=0.01", name="up")
-    down = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=20", *COMMON,
-                   "--model.rewards={brightness: -1.0}", "--model.transformer_optimizer.init_args.lr=0.01", name="down")
+    up = run_cli(
+        tmp_path,
+        "--model.mode=generator_only",
+        "--trainer.max_steps=20",
+        *COMMON,
+        "--model.rewards={brightness: 1.0}",
+        "--model.transformer_optimizer.init_args.lr=0.01",
+        name="up",
+    )
+    down = run_cli(
+        tmp_path,
+        "--model.mode=generator_only",
+        "--trainer.max_steps=20",
+        *COMMON,
+        "--model.rewards={brightness: -1.0}",
+        "--model.transformer_optimizer.init_args.lr=0.01",
+        name="down",
+    )
     up_r = series(read_metrics(up), "reward/brightness")
     down_r = series(read_metrics(down), "reward/brightness")
     assert _rise(up_r, 5) > 0 > _rise(down_r, 5), (up_r, down_r)
@@ -80,8 +106,13 @@ def test_joint_changes_both_adapters(tmp_path):
 
 @pytest.mark.parametrize("scheme", ["hierarchical"])
 def test_hierarchical_scheme_runs_and_groups_the_dit_by_refinement(tmp_path, scheme):
-    cli = run_cli(tmp_path, "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
-                  f"--data.advantage_scheme={scheme}", "--data.images_per_refinement=2")
+    cli = run_cli(
+        tmp_path,
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=0",
+        f"--data.advantage_scheme={scheme}",
+        "--data.images_per_refinement=2",
+    )
     rows = read_metrics(cli)
     assert len(series(rows, "transformer/pg_loss")) == 2
     assert series(rows, "cache/text_encoder_hit_rate")[0] >= 0.5  # each text rendered twice, encoded once

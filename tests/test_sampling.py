@@ -37,7 +37,9 @@ def test_sde_step_matches_formula_including_sigma_one(step):
 def test_sigma_one_step_is_finite():
     sigmas = flow_sigmas(4)
     x = torch.randn(2, 3, 4, 4)
-    out, logp, mean, std = flow_sde_step_with_logprob(x, torch.randn_like(x), 1.0, float(sigmas[1]), sigma_max=float(sigmas[1]))
+    out, logp, mean, std = flow_sde_step_with_logprob(
+        x, torch.randn_like(x), 1.0, float(sigmas[1]), sigma_max=float(sigmas[1])
+    )
     assert torch.isfinite(out).all() and torch.isfinite(logp).all() and torch.isfinite(std).all()
 
 
@@ -51,8 +53,12 @@ def test_per_sample_sigma_tensors_equal_scalar_calls():
     _, lp, mean, _ = flow_sde_step_with_logprob(x, v, s, sn, sigma_max=float(sigmas[1]), prev_sample=target)
     for row, i in enumerate(steps):
         _, lp1, mean1, _ = flow_sde_step_with_logprob(
-            x[row : row + 1], v[row : row + 1], float(sigmas[i]), float(sigmas[i + 1]),
-            sigma_max=float(sigmas[1]), prev_sample=target[row : row + 1],
+            x[row : row + 1],
+            v[row : row + 1],
+            float(sigmas[i]),
+            float(sigmas[i + 1]),
+            sigma_max=float(sigmas[1]),
+            prev_sample=target[row : row + 1],
         )
         assert torch.allclose(lp[row], lp1[0], atol=1e-6)
         assert torch.allclose(mean[row], mean1[0], atol=1e-6)
@@ -78,7 +84,9 @@ def test_logprob_equals_gaussian_density():
 
 def test_sampled_step_has_the_stated_noise_scale():
     x = torch.zeros(4000, 1, 1, 1)
-    out, _, mean, std = flow_sde_step_with_logprob(x, torch.zeros_like(x), 0.5, 0.4, sigma_max=0.9, generator=torch.Generator().manual_seed(0))
+    out, _, mean, std = flow_sde_step_with_logprob(
+        x, torch.zeros_like(x), 0.5, 0.4, sigma_max=0.9, generator=torch.Generator().manual_seed(0)
+    )
     expected = float(std.flatten()[0]) * math.sqrt(0.1)
     assert abs(float((out - mean).std()) - expected) / expected < 0.05
 
@@ -87,7 +95,9 @@ def test_per_sample_generators_make_noise_independent_of_batch():
     x, v = torch.zeros(3, 2, 4, 4), torch.zeros(3, 2, 4, 4)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     batched, *_ = flow_sde_step_with_logprob(x, v, 0.5, 0.4, sigma_max=0.9, generator=gens)
-    alone, *_ = flow_sde_step_with_logprob(x[2:], v[2:], 0.5, 0.4, sigma_max=0.9, generator=[torch.Generator().manual_seed(2)])
+    alone, *_ = flow_sde_step_with_logprob(
+        x[2:], v[2:], 0.5, 0.4, sigma_max=0.9, generator=[torch.Generator().manual_seed(2)]
+    )
     assert torch.equal(batched[2], alone[0])
 
 

@@ -98,9 +98,7 @@ def randn_like_per_sample(like: Tensor, generator: torch.Generator | list[torch.
     if isinstance(generator, (list, tuple)):
         if len(generator) != like.shape[0]:
             raise ValueError(f"got {len(generator)} generators for a batch of {like.shape[0]}")
-        rows = [
-            torch.randn(like.shape[1:], generator=g, dtype=torch.float32, device=g.device) for g in generator
-        ]
+        rows = [torch.randn(like.shape[1:], generator=g, dtype=torch.float32, device=g.device) for g in generator]
         return torch.stack(rows).to(like.device)
     return torch.randn(like.shape, generator=generator, dtype=torch.float32, device=like.device)
 

@@ -20,7 +20,9 @@ class WeightVersionLedger(pl.Callback):
     stay at version 0. Versions themselves are saved in and restored from checkpoints by the module.
     """
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         versions = pl_module.ledger.as_dict()
         for name, version in versions.items():
             if name not in pl_module.trained and version != 0:

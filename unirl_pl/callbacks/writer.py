@@ -24,8 +24,14 @@ class ImageWriter(BasePredictionWriter):
         self.output_dir = Path(output_dir)
 
     def write_on_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Any, batch_indices: Any,
-        batch: Any, batch_idx: int, dataloader_idx: int,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
     ) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         images = (prediction["images"].float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
@@ -33,6 +39,10 @@ class ImageWriter(BasePredictionWriter):
             for i, img in enumerate(images):
                 name = f"{trainer.global_rank}_{batch_idx:04d}_{i:02d}.png"
                 Image.fromarray(np.ascontiguousarray(img)).save(self.output_dir / name)
-                row = {"file": name, "prompt": prediction["prompts"][i], "refined": prediction["refined"][i],
-                       "reward": prediction["rewards"][i]}
+                row = {
+                    "file": name,
+                    "prompt": prediction["prompts"][i],
+                    "refined": prediction["refined"][i],
+                    "reward": prediction["rewards"][i],
+                }
                 f.write(json.dumps(row) + "\n")

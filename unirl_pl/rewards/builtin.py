@@ -167,7 +167,9 @@ class WeightedSum:
         self.weights = dict(weights)
         self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
 
-    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, prompts: list[str], refined_prompts: list[str], images: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error."""
         parts: dict[str, Tensor] = {}
         for name, fn in self.terms.items():
