@@ -10,6 +10,7 @@ single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -41,6 +42,8 @@ class UniRLCLI(LightningCLI):
 def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     """Run the CLI (``args`` as on the command line; None reads ``sys.argv``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     return UniRLCLI(
         pl.LightningModule,
         pl.LightningDataModule,
