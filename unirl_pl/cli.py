@@ -15,7 +15,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy
+
+from unirl_pl.checkpoint import AtomicCheckpointIO
 
 
 class UniRLCLI(LightningCLI):
@@ -36,6 +39,9 @@ class UniRLCLI(LightningCLI):
         trainer = super().instantiate_trainer(**kwargs)
         if isinstance(trainer.strategy, FSDPStrategy):
             raise ValueError("FSDPStrategy (FSDP1) is not supported; use ModelParallelStrategy (FSDP2).")
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+            # A crash while writing must leave the previous checkpoint usable; a user-chosen IO is kept.
+            trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         return trainer
 
 

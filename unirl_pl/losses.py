@@ -17,14 +17,16 @@ def group_advantages(
     group_ids: Tensor,
     *,
     global_std: bool = False,
+    batch_std: Tensor | float | None = None,
     eps: float = 1e-4,
     clip_max: float = 5.0,
 ) -> Tensor:
     """Group-relative advantages ``(r - mean_group) / (std + eps)``, clipped to ``+-clip_max``.
 
     ``std`` is the group's (population) std, or the whole batch's with ``global_std`` (Flow-GRPO's
-    option that keeps zero-variance groups from blowing up). ``group_ids`` is a (N,) integer tensor;
-    groups need not be contiguous.
+    option that keeps zero-variance groups from blowing up). With several ranks the caller passes the
+    std of all ranks' rewards as ``batch_std`` so every rank normalizes by the same number.
+    ``group_ids`` is a (N,) integer tensor; groups need not be contiguous.
     """
     if rewards.shape != group_ids.shape or rewards.ndim != 1:
         raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be (N,)")
@@ -35,7 +37,7 @@ def group_advantages(
     total = torch.zeros_like(count).index_add_(0, inverse, r)
     mean = (total / count)[inverse]
     if global_std:
-        std = r.std(unbiased=False).expand_as(r)
+        std = (r.std(unbiased=False) if batch_std is None else torch.as_tensor(batch_std, dtype=r.dtype)).expand_as(r)
     else:
         sq = torch.zeros_like(count).index_add_(0, inverse, (r - mean) ** 2)
         std = torch.sqrt(sq / count)[inverse]

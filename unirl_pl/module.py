@@ -15,9 +15,12 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from unirl_pl.card import Card
+from unirl_pl.checkpoint import TRIMMED_KEY, refill_trimmed, rng_states, set_rng_states, trim_frozen
 from unirl_pl.data import Experience, PromptBatch, PromptDataModule
+from unirl_pl.distributed import shard_experts, token_loss_weight
 from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert, VAEExpert
 from unirl_pl.losses import LossOutput, flow_grpo_loss, group_advantages, grpo_token_loss, zero_std_fraction
 from unirl_pl.rewards import WeightedSum
@@ -70,6 +73,8 @@ class UniRLModule(pl.LightningModule):
             the ratio moves away from 1.
         on_stale: ``error`` (on-policy: a record whose producing version is not current at its first
             update stops the run) or ``log`` (staleness is logged).
+        reshard_after_forward: FSDP2 only (``ModelParallelStrategy``): free each block's gathered
+            weights after its forward (less memory) or keep them until backward (less communication).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class UniRLModule(pl.LightningModule):
         transformer_loss: ExpertLoss = ExpertLoss(clip_eps=1e-4, beta=0.004),
         ppo_epochs: int = 1,
         on_stale: Literal["error", "log"] = "error",
+        reshard_after_forward: bool = True,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -108,6 +114,7 @@ class UniRLModule(pl.LightningModule):
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
         self.ppo_epochs = ppo_epochs
         self.on_stale = on_stale
+        self.reshard_after_forward = reshard_after_forward
         self.trained = self.card.trained_components(mode)
         self.ledger = VersionLedger(list(self.card.components))
         self.feature_cache = FeatureCache(self.ledger)
@@ -130,6 +137,9 @@ class UniRLModule(pl.LightningModule):
                 # A frozen expert gets no gradients, so it can never change and its version never moves.
                 expert.requires_grad_(False)
         self._check_pixel_space()
+        if self.device_mesh is not None:
+            # FSDP2: shard after LoRA is attached so the adapter is sharded with its block.
+            shard_experts(self.experts(), self.trained, self.device_mesh["data_parallel"], self.reshard_after_forward)
         self.engine = RolloutEngine(self.llm, self.transformer, self.rollout_config)
 
     def _check_pixel_space(self) -> None:
@@ -219,9 +229,9 @@ class UniRLModule(pl.LightningModule):
         text_rewards = rewards.view(p * k, m).mean(1)
         prompt_of_text = torch.arange(p).repeat_interleave(k)
         adv_kwargs = {"global_std": data.global_std, "clip_max": data.adv_clip_max}
-        text_adv = group_advantages(text_rewards, prompt_of_text, **adv_kwargs)
+        text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=self._batch_std(text_rewards, data), **adv_kwargs)
         groups = prompt_of_text[img_text] if data.advantage_scheme == "shared" else img_text
-        dit_adv = group_advantages(rewards, groups, **adv_kwargs)
+        dit_adv = group_advantages(rewards, groups, batch_std=self._batch_std(rewards, data), **adv_kwargs)
         if data.advantage_scheme == "shared" and m == 1:
             dit_adv = text_adv  # PromptRL: literally one advantage per sample for both experts.
         device = self.device
@@ -239,6 +249,13 @@ class UniRLModule(pl.LightningModule):
             zero_std_frac=zero_std_fraction(text_rewards, prompt_of_text),
             images=images,
         )
+
+    def _batch_std(self, rewards: Tensor, data: PromptDataModule) -> Tensor | None:
+        """The std of the global batch's rewards (all ranks) for ``global_std``; None on one process."""
+        if not data.global_std or self._trainer is None or self.trainer.world_size == 1:
+            return None
+        gathered = self.all_gather(rewards.to(self.device))
+        return gathered.flatten().double().std(unbiased=False).cpu()
 
     @torch.no_grad()
     def recompute_logprobs(self, exp: Experience) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
@@ -301,6 +318,9 @@ class UniRLModule(pl.LightningModule):
                 )
         return staleness
 
+    def _strategy(self) -> Any:
+        return self._trainer.strategy if self._trainer is not None else None
+
     def _optimizers_by_name(self) -> dict[str, Any]:
         opts = self.optimizers()
         opts = opts if isinstance(opts, list) else [opts]
@@ -309,6 +329,8 @@ class UniRLModule(pl.LightningModule):
     def _step(self, name: str, opt: Any, first: bool) -> Tensor:
         params = [p for p in self.experts()[name].parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
+        if isinstance(grad_norm, DTensor):  # FSDP2: a partial norm; loggers and sync_dist need a plain tensor
+            grad_norm = grad_norm.full_tensor()
         clip = self.losses[name].grad_clip
         if clip is not None:
             self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
@@ -335,7 +357,9 @@ class UniRLModule(pl.LightningModule):
                 outputs["transformer"] = self._dit_loss(exp)
             if not outputs:
                 continue
-            self.manual_backward(sum(o.loss for o in outputs.values()))
+            # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
+            weights = {n: token_loss_weight(exp.lm.gen_mask, self._strategy()) if n == "llm" else 1.0 for n in outputs}
+            self.manual_backward(sum(weights[n] * o.loss for n, o in outputs.items()))
             for i, name in enumerate(outputs):
                 grad_norm = self._step(name, opts[name], first=i == 0)
                 if epoch == 0:
@@ -397,7 +421,13 @@ class UniRLModule(pl.LightningModule):
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["unirl_versions"] = self.ledger.as_dict()
+        checkpoint["unirl_rng"] = rng_states()
+        # Frozen base weights are rebuilt by configure_model; keeping them would bloat every checkpoint.
+        checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "unirl_versions" in checkpoint:
             self.ledger.load(checkpoint["unirl_versions"])
+        if "unirl_rng" in checkpoint:
+            set_rng_states(checkpoint["unirl_rng"])
+        refill_trimmed(checkpoint, self)

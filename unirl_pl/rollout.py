@@ -70,7 +70,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         start, end = self.sde_window
         if not 0 <= start < end <= self.num_steps:
-            raise ValueError(f"sde_window {self.sde_window} must satisfy 0 <= start < end <= num_steps={self.num_steps}")
+            raise ValueError(
+                f"sde_window {self.sde_window} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
+            )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -110,7 +112,8 @@ class LMRecord:
 class DiTRecord:
     """Behavior of ``diffusion_denoise`` over the SDE window: per image and step, x_t and x_next.
 
-    ``prev``/``sample`` are (N, S, C, H, W); ``sigma``/``sigma_next`` (S,) float64; ``old_logp`` (N, S);
+    ``prev``/``sample`` are (N, S, C, H, W); ``sigma``/``sigma_next`` (S,) float64 and ``sigma_max`` a
+    float, or (N, S) and (N,) when the requests ran schedules of different lengths; ``old_logp`` (N, S);
     ``hidden``/``pooled`` the conditioning used, so the recompute sees exactly the same inputs.
     """
 
@@ -121,7 +124,7 @@ class DiTRecord:
     old_logp: Tensor
     hidden: Tensor
     pooled: Tensor
-    sigma_max: float
+    sigma_max: float | Tensor
     noise_level: float
     chunks: list[tuple[int, int]]
     version: int
@@ -129,7 +132,18 @@ class DiTRecord:
 
     @property
     def num_steps(self) -> int:
-        return int(self.sigma.shape[0])
+        return int(self.sigma.shape[-1])
+
+    def step_sigmas(self, step: int, chunk: tuple[int, int]) -> tuple[float | Tensor, float | Tensor, float | Tensor]:
+        """``(sigma, sigma_next, sigma_max)`` of window step ``step`` for the images in ``chunk``.
+
+        Floats for a shared schedule, (b-a,) tensors for per-sample ones: the same values rollout used.
+        """
+        if self.sigma.ndim == 1:
+            return float(self.sigma[step]), float(self.sigma_next[step]), float(self.sigma_max)
+        a, b = chunk
+        assert isinstance(self.sigma_max, Tensor)
+        return self.sigma[a:b, step], self.sigma_next[a:b, step], self.sigma_max[a:b]
 
 
 def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
@@ -187,11 +201,14 @@ class RolloutEngine:
         greedy = profile == "serve"
         temperature = 1.0 if greedy else cfg.temperature
         top_k = None if greedy else cfg.top_k
-        gens = make_generators([sample_seed(self.seed, r, k, STREAM_LM) for r, k in zip(request_ids, sample_indices, strict=True)])
+        seeds = [sample_seed(self.seed, r, k, STREAM_LM) for r, k in zip(request_ids, sample_indices, strict=True)]
+        gens = make_generators(seeds)
         eos, pad = self.llm.eos_token_id, self.llm.pad_token_id
 
         cache = DynamicCache()
-        out = self.llm(input_ids=ids, attention_mask=mask, position_ids=_positions(mask), past_key_values=cache, use_cache=True)
+        out = self.llm(
+            input_ids=ids, attention_mask=mask, position_ids=_positions(mask), past_key_values=cache, use_cache=True
+        )
         next_pos = _positions(mask)[:, -1:] + 1
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         tokens, logps, live = [], [], []
@@ -202,7 +219,8 @@ class RolloutEngine:
                 tok_t = logits.argmax(-1)
             else:
                 probs = logp_all.exp()
-                tok_t = torch.cat([torch.multinomial(probs[i].cpu(), 1, generator=gens[i]) for i in range(n)]).to(device)
+                draws = [torch.multinomial(probs[i].cpu(), 1, generator=gens[i]) for i in range(n)]
+                tok_t = torch.cat(draws).to(device)
             tok_t = torch.where(finished, torch.full_like(tok_t, pad), tok_t)
             live.append(~finished)
             logps.append(logp_all.gather(-1, tok_t[:, None])[:, 0])
@@ -211,7 +229,13 @@ class RolloutEngine:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             if bool(finished.all()):
                 break
-            out = self.llm(input_ids=tok_t[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=cache, use_cache=True)
+            out = self.llm(
+                input_ids=tok_t[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
             next_pos = next_pos + 1
         gen = torch.stack(tokens, dim=1)
         gen_mask = torch.stack(live, dim=1)
@@ -244,8 +268,10 @@ class RolloutEngine:
         return torch.where(record.gen_mask, logp, torch.zeros_like(logp))
 
     # ------------------------------------------------------------------ diffusion_denoise
-    def _velocity(self, x: Tensor, sigma: float, hidden: Tensor, pooled: Tensor, uncond: tuple[Tensor, Tensor] | None) -> Tensor:
-        s = torch.full((x.shape[0],), sigma, dtype=torch.float32, device=x.device)
+    def _velocity(
+        self, x: Tensor, sigma: float | Tensor, hidden: Tensor, pooled: Tensor, uncond: tuple[Tensor, Tensor] | None
+    ) -> Tensor:
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
         v = self.transformer.velocity(x, s, hidden, pooled)
         if uncond is None or self.config.guidance_scale == 1.0:
             return v
@@ -263,14 +289,22 @@ class RolloutEngine:
         profile: Profile,
         version: int = 0,
         uncond: tuple[Tensor, Tensor] | None = None,
+        num_steps: Sequence[int] | None = None,
     ) -> tuple[Tensor, DiTRecord | None]:
-        """Sample latents (N, C, H, W); in ``rollout`` also return the record of every SDE step."""
+        """Sample latents (N, C, H, W); in ``rollout`` also return the record of every SDE step.
+
+        ``num_steps`` gives each request its own step count (default: the config's for all). The batch
+        then advances one step at a time with every sample on its own schedule, a finished sample
+        leaving the batch, the way an interleaving server mixes requests; the record's sigmas become
+        per-sample. In ``rollout`` every count must reach the end of the SDE window, so all samples
+        are in the batch for every recorded step and the recompute sees the same composition.
+        """
         cfg = self.config
         n = hidden.shape[0]
-        sigmas = flow_sigmas(cfg.num_steps, cfg.shift)
-        sigma_max = float(sigmas[1])
         start, end = cfg.sde_window
         sde = profile == "rollout" and cfg.noise_level > 0
+        steps = self._step_counts(n, num_steps, end if sde else 1)
+        table = _sigma_table(steps, cfg.shift)
         seeds = [sample_seed(self.seed, r, k, STREAM_NOISE) for r, k in zip(request_ids, sample_indices, strict=True)]
         device = hidden.device
         chunks = chunk_bounds(n, cfg.micro_batch_size)
@@ -278,20 +312,25 @@ class RolloutEngine:
         for a, b in chunks:
             gens = make_generators(seeds[a:b])
             x = torch.stack([torch.randn(self.transformer.latent_shape, generator=g) for g in gens]).to(device)
+            sig, counts = table[a:b], steps[a:b]
             c_prev, c_sample, c_logp = [], [], []
-            for i in range(cfg.num_steps):
-                s, s_next = float(sigmas[i]), float(sigmas[i + 1])
-                v = self._velocity(x, s, hidden[a:b], pooled[a:b], uncond)
+            for i in range(max(counts)):
+                live = [j for j, c in enumerate(counts) if i < c]
+                # Index only when a sample has finished: the common all-live case keeps the tensors as they are.
+                rows = None if len(live) == b - a else torch.tensor(live, device=device)
+                s, s_next = sig[live, i], sig[live, i + 1]
+                xs = _take(x, rows)
+                v = self._velocity(xs, s, _take(hidden[a:b], rows), _take(pooled[a:b], rows), uncond)
                 if sde and start <= i < end:
                     x_next, logp, _, _ = flow_sde_step_with_logprob(
-                        x, v, s, s_next, sigma_max=sigma_max, noise_level=cfg.noise_level, generator=gens
+                        xs, v, s, s_next, sigma_max=sig[:, 1], noise_level=cfg.noise_level, generator=gens
                     )
-                    c_prev.append(x)
+                    c_prev.append(xs)
                     c_sample.append(x_next)
                     c_logp.append(logp)
                 else:
-                    x_next = ode_step(x, v, s, s_next)
-                x = x_next
+                    x_next = ode_step(xs, v, s, s_next)
+                x = x_next if rows is None else x.index_copy(0, rows, x_next)
             latents.append(x)
             if sde:
                 prevs.append(torch.stack(c_prev, 1))
@@ -300,15 +339,17 @@ class RolloutEngine:
         out = torch.cat(latents)
         if not sde:
             return out, None
+        # A shared schedule keeps the compact (S,) form; mixed step counts need per-sample sigmas.
+        shared = len(set(steps)) == 1
         record = DiTRecord(
             prev=torch.cat(prevs),
             sample=torch.cat(samples),
-            sigma=sigmas[start:end].clone(),
-            sigma_next=sigmas[start + 1 : end + 1].clone(),
+            sigma=(table[0] if shared else table)[..., start:end].clone(),
+            sigma_next=(table[0] if shared else table)[..., start + 1 : end + 1].clone(),
             old_logp=torch.cat(logps),
             hidden=hidden,
             pooled=pooled,
-            sigma_max=sigma_max,
+            sigma_max=float(table[0, 1]) if shared else table[:, 1].clone(),
             noise_level=cfg.noise_level,
             chunks=chunks,
             version=version,
@@ -316,19 +357,27 @@ class RolloutEngine:
         )
         return out, record
 
+    def _step_counts(self, n: int, num_steps: Sequence[int] | None, least: int) -> list[int]:
+        if num_steps is None:
+            return [self.config.num_steps] * n
+        steps = [int(c) for c in num_steps]
+        if len(steps) != n:
+            raise ValueError(f"num_steps has {len(steps)} entries for {n} requests")
+        if min(steps) < least:
+            raise ValueError(
+                f"every request needs >= {least} steps (rollout records the SDE window "
+                f"{self.config.sde_window}), got num_steps={steps}"
+            )
+        return steps
+
     def dit_step_logprob(self, record: DiTRecord, step: int, chunk: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
         """Re-score step ``step`` of the images in ``chunk``: (log_prob, mean, std) under current weights."""
         a, b = chunk
         x = record.prev[a:b, step]
-        v = self._velocity(x, float(record.sigma[step]), record.hidden[a:b], record.pooled[a:b], record.uncond)
+        s, s_next, sigma_max = record.step_sigmas(step, chunk)
+        v = self._velocity(x, s, record.hidden[a:b], record.pooled[a:b], record.uncond)
         _, logp, mean, std = flow_sde_step_with_logprob(
-            x,
-            v,
-            float(record.sigma[step]),
-            float(record.sigma_next[step]),
-            sigma_max=record.sigma_max,
-            noise_level=record.noise_level,
-            prev_sample=record.sample[a:b, step],
+            x, v, s, s_next, sigma_max=sigma_max, noise_level=record.noise_level, prev_sample=record.sample[a:b, step]
         )
         return logp, mean, std
 
@@ -348,6 +397,19 @@ class RolloutEngine:
     def with_config(self, **changes: object) -> RolloutEngine:
         """A copy of this engine with some sampling settings changed (used by gates' probes)."""
         return replace(self, config=replace(self.config, **changes))
+
+
+def _take(t: Tensor, rows: Tensor | None) -> Tensor:
+    return t if rows is None else t.index_select(0, rows)
+
+
+def _sigma_table(steps: Sequence[int], shift: float) -> Tensor:
+    """(N, max(steps) + 1) float64: row i is sample i's schedule, zero-padded past its end (never read)."""
+    table = torch.zeros(len(steps), max(steps) + 1, dtype=torch.float64)
+    for count in set(steps):
+        rows = [i for i, c in enumerate(steps) if c == count]
+        table[rows, : count + 1] = flow_sigmas(count, shift)
+    return table
 
 
 def pad_to(x: Tensor, length: int, value: float = 0.0) -> Tensor:

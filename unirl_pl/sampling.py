@@ -50,7 +50,7 @@ def flow_sde_step_with_logprob(
     sigma: float | Tensor,
     sigma_next: float | Tensor,
     *,
-    sigma_max: float,
+    sigma_max: float | Tensor,
     noise_level: float = 0.7,
     prev_sample: Tensor | None = None,
     generator: torch.Generator | list[torch.Generator] | None = None,
@@ -60,8 +60,10 @@ def flow_sde_step_with_logprob(
     Returns ``(prev_sample, log_prob, prev_sample_mean, std_dev_t)``: the next latent (drawn unless
     ``prev_sample`` is given, which is how training re-scores a captured step), the per-sample
     log-prob averaged over non-batch dimensions (float32, next latent detached), the step's mean
-    and the (B,1,...) noise scale ``std`` before the ``sqrt(-dt)`` factor. ``generator`` may be one
-    generator or one per sample, so a sample's noise does not depend on its batch position.
+    and the (B,1,...) noise scale ``std`` before the ``sqrt(-dt)`` factor. ``sigma_max`` may be a
+    float or, like the sigmas, a per-sample (B,) tensor (samples on schedules of different lengths).
+    ``generator`` may be one generator or one per sample, so a sample's noise does not depend on its
+    batch position.
     ``noise_level = 0`` reduces exactly to :func:`ode_step` with a log-prob of zero.
     """
     x = sample.float()
@@ -70,7 +72,7 @@ def flow_sde_step_with_logprob(
     s_next = _as_batch(sigma_next, x)
     dt = s_next - s
     # At s == 1 the variance term divides by zero; Flow-GRPO substitutes sigma_max = sigmas[1].
-    denom = 1 - torch.where(s == 1, torch.full_like(s, sigma_max), s)
+    denom = 1 - torch.where(s == 1, _as_batch(sigma_max, x), s)
     std = torch.sqrt(s / denom) * noise_level
     mean = x * (1 + std**2 / (2 * s) * dt) + v * (1 + std**2 * (1 - s) / (2 * s)) * dt
     scale = std * torch.sqrt(-dt)

@@ -1,7 +1,9 @@
 """Built-in gates (callbacks that enforce an invariant every step) and the prediction writer."""
 
 from unirl_pl.callbacks.c2 import LogProbIdentityCheck
+from unirl_pl.callbacks.export import AdapterExport
 from unirl_pl.callbacks.ledger import WeightVersionLedger
+from unirl_pl.callbacks.parity import InterleaveParityCheck
 from unirl_pl.callbacks.writer import ImageWriter
 
-__all__ = ["ImageWriter", "LogProbIdentityCheck", "WeightVersionLedger"]
+__all__ = ["AdapterExport", "ImageWriter", "InterleaveParityCheck", "LogProbIdentityCheck", "WeightVersionLedger"]

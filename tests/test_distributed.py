@@ -1,0 +1,88 @@
+"""Gradient parity across strategies: one SGD step on 2 ranks (DDP, FSDP2) == one step in 1 process, same P prompts.
+
+SGD (not Adam) and no gradient clipping, because Adam's first step is ``lr * sign(g)`` and clipping
+rescales: either would hide a rank-summed instead of rank-averaged gradient (pytorch issue 162338).
+Multi-process runs launch the CLI as a subprocess because Lightning re-executes the command per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import JOINT, ROOT
+
+STEP = [
+    "--trainer.max_steps=1",
+    "--trainer.limit_val_batches=0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.logger=false",
+    "--model.rollout.num_steps=4",
+    "--model.rollout.sde_window=[0,2]",
+    "--model.llm_optimizer=torch.optim.SGD",
+    "--model.llm_optimizer.init_args.lr=0.1",
+    "--model.transformer_optimizer=torch.optim.SGD",
+    "--model.transformer_optimizer.init_args.lr=0.1",
+    '--model.llm_loss={"clip_eps": 0.2, "beta": 0.01, "grad_clip": null}',
+    '--model.transformer_loss={"clip_eps": 1.0e-4, "beta": 0.004, "grad_clip": null}',
+    "--data.init_args.prompts_per_step=4",
+]
+
+
+def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
+    ckpts = tmp_path / name
+    cmd = [
+        sys.executable, "-m", "unirl_pl", "fit", "--config", JOINT, *extra, *STEP,
+        f"--trainer.default_root_dir={ckpts}",
+        "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger]",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpts}",
+        "--trainer.callbacks.every_n_train_steps=1",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (ckpt,) = ckpts.glob("*.ckpt")
+    state = torch.load(ckpt, weights_only=True)
+    assert state["unirl_versions"]["llm"] == 1 and state["unirl_versions"]["transformer"] == 1
+    return {k: v.float() for k, v in state["state_dict"].items() if "lora_" in k}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> dict[str, torch.Tensor]:
+    return _fit(tmp_path_factory.mktemp("single"), "single")
+
+
+def _initial() -> dict[str, torch.Tensor]:
+    from unirl_pl.cli import main
+
+    cli = main(["--config", JOINT, "--trainer.logger=false"], run=False)
+    cli.model.configure_model()
+    return {k: v.detach().float() for k, v in cli.model.state_dict().items() if "lora_" in k}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_single_step_moves_the_adapters(single):
+    # A 2x gradient scale error must be far above the 1e-6 tolerance for the parity tests to mean anything.
+    assert _max_diff(single, _initial()) > 1e-4
+
+
+@pytest.mark.parametrize(
+    "name, overlay",
+    [("ddp", "ddp.yaml"), ("fsdp2", "fsdp.yaml")],
+)
+def test_two_ranks_match_one_process(tmp_path, single, name, overlay):
+    multi = _fit(tmp_path, name, "--config", str(ROOT / "recipes" / overlay))
+    diff = _max_diff(single, multi)
+    print(f"{name} parity max abs diff: {diff:.3e}")
+    assert diff <= 1e-6, f"{name}: 2-rank update differs from 1-process update by {diff:.3e}"

@@ -1,0 +1,412 @@
+"""The correctness gates, proven by fault injection: each one passes on the default recipe and fires on
+the fault it exists to catch. Also seeded determinism and batch invariance, with a negative control.
+
+Most tests share one module built from ``recipes/joint.yaml`` and call the gates' ``check`` directly;
+one fit-level test per gate runs them as Lightning callbacks. Fault patches and weight perturbations
+are undone after each test, so the shared module stays clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from dataclasses import replace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.helpers import JOINT, ROOT, read_metrics, series
+from unirl_pl import rollout
+from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
+from unirl_pl.callbacks.c2 import PRECISION_TOLERANCES, LogProbIdentityError
+from unirl_pl.callbacks.parity import InterleaveParityError, ParityReport
+from unirl_pl.cli import main
+from unirl_pl.data import Experience, PromptBatch
+from unirl_pl.experts import CausalLMExpert
+from unirl_pl.module import UniRLModule
+from unirl_pl.rollout import RolloutEngine
+from unirl_pl.sampling import flow_sigmas
+
+# "<pad>" is the tokenizer's pad token: inside a prompt it becomes the pad id with attention mask 1.
+PROMPTS = ["a red circle", "a blue <pad> square"]
+REQUEST_IDS = [3, 7]
+QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
+
+
+def build(*overrides: str):
+    """The default recipe's module and data module, experts built, without a trainer run."""
+    cli = main(["--config", JOINT, *QUIET, *overrides], run=False)
+    cli.model.configure_model()
+    return cli.model, cli.datamodule
+
+
+def collect(model, dm, prompts=PROMPTS, request_ids=REQUEST_IDS) -> Experience:
+    return model.collect_experience(PromptBatch(list(prompts), list(request_ids)), dm)
+
+
+def fingerprint(exp: Experience) -> str:
+    """SHA-256 of everything a rollout produces: tokens, log-probs, latents, images, rewards, texts."""
+    h = hashlib.sha256()
+    assert exp.lm is not None and exp.dit is not None
+    for t in (exp.lm.input_ids, exp.lm.old_logp, exp.dit.prev, exp.dit.sample, exp.dit.old_logp, exp.images,
+              exp.rewards, exp.lm_advantages, exp.dit_advantages):
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    h.update("\x00".join(exp.refined).encode())
+    return h.hexdigest()
+
+
+def fresh_fingerprint() -> str:
+    """Build the default recipe from scratch and fingerprint one rollout (run in a child process)."""
+    return fingerprint(collect(*build()))
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max())
+
+
+@pytest.fixture(scope="module")
+def built():
+    return build()
+
+
+@pytest.fixture(scope="module")
+def clean_exp(built):
+    return collect(*built)
+
+
+@pytest.fixture
+def restore_weights(built):
+    """Snapshot every trainable weight and put it back after the test."""
+    model, _ = built
+    saved = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    yield model
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in saved:
+                p.copy_(saved[n])
+
+
+def perturb_lora(model: pl.LightningModule, expert: str, amount: float = 1e-2) -> None:
+    """Move one LoRA B matrix of ``expert`` (B starts at zero, so the adapter then changes the policy)."""
+    with torch.no_grad():
+        name, param = next((n, p) for n, p in model.experts()[expert].named_parameters() if "lora_B" in n)
+        param.add_(amount)
+
+
+def shared_rng_generators(monkeypatch) -> None:
+    """Fault: every request draws from one module-global generator instead of its own."""
+    shared = torch.Generator().manual_seed(1234)
+    monkeypatch.setattr(rollout, "make_generators", lambda seeds, device="cpu": [shared] * len(seeds))
+
+
+def position_seeded_generators(monkeypatch) -> None:
+    """Fault: a sample's generator is seeded by its position in the batch, not by its request."""
+    def by_position(seeds, device="cpu"):
+        return [torch.Generator().manual_seed(i) for i in range(len(seeds))]
+
+    monkeypatch.setattr(rollout, "make_generators", by_position)
+
+
+# ---------------------------------------------------------------------------------------------- C2
+
+
+def test_c2_passes_on_the_default_recipe_exactly_for_the_dit(built, clean_exp):
+    model, _ = built
+    stats = LogProbIdentityCheck().check(model, clean_exp)
+    llm, dit = stats["llm"], stats["transformer"]
+    # The LM recompute is another path (KV-cache decode vs one teacher-forced forward): close, not bitwise.
+    assert llm["max_abs_diff"] <= 1e-5 and abs(llm["ratio_mean"] - 1) <= 1e-5
+    assert llm["clip_frac_high"] == llm["clip_frac_low"] == 0.0
+    # The DiT recompute is the same function on the same micro-batches: bitwise, ratio exactly 1.
+    assert dit["max_abs_diff"] == 0.0 and dit["frac_bitwise_equal"] == 1.0
+    assert dit["ratio_min"] == dit["ratio_max"] == 1.0 and dit["clip_frac_high"] == dit["clip_frac_low"] == 0.0
+
+
+def test_c2_fires_when_decode_masks_a_prompt_token_equal_to_the_pad_id(built, monkeypatch):
+    """generate() builds its mask from ``input_ids != pad``; the recompute uses the tokenizer's mask."""
+    model, dm = built
+    original = CausalLMExpert.forward
+    prompt_pads: dict[str, torch.Tensor] = {}
+
+    def decode_masks_pad_ids(self, input_ids, attention_mask, position_ids=None, past_key_values=None, use_cache=False):
+        if use_cache:  # only the KV-cache decode; the teacher-forced recompute never uses the cache
+            if input_ids.shape[1] > 1:
+                prompt_pads["ids"] = input_ids == self.pad_token_id
+            pads = prompt_pads["ids"]
+            attention_mask = attention_mask.clone()
+            attention_mask[:, : pads.shape[1]] = attention_mask[:, : pads.shape[1]].masked_fill(pads, 0)
+        return original(self, input_ids, attention_mask, position_ids, past_key_values, use_cache)
+
+    monkeypatch.setattr(CausalLMExpert, "forward", decode_masks_pad_ids)
+    exp = collect(model, dm)
+    with pytest.raises(LogProbIdentityError, match=r"expert 'llm' at step 0.*blue <pad> square") as err:
+        LogProbIdentityCheck().check(model, exp)
+    assert "'transformer'" not in str(err.value)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"top_k": 8}], ids=["temperature", "top_k"])
+def test_c2_fires_when_the_recompute_ignores_temperature_or_top_k(built, monkeypatch, sampling):
+    model, dm = built
+    monkeypatch.setattr(model, "engine", model.engine.with_config(**sampling))
+    exp = collect(model, dm)
+    LogProbIdentityCheck().check(model, exp)  # control: the recompute applies the record's settings
+    original = RolloutEngine.lm_logprobs
+    monkeypatch.setattr(
+        RolloutEngine, "lm_logprobs", lambda self, rec: original(self, replace(rec, temperature=1.0, top_k=None))
+    )
+    with pytest.raises(LogProbIdentityError, match="expert 'llm'"):
+        LogProbIdentityCheck().check(model, exp)
+
+
+@pytest.mark.parametrize("expert", ["llm", "transformer"])
+def test_c2_fires_when_weights_change_between_rollout_and_recompute(clean_exp, restore_weights, expert):
+    model = restore_weights
+    perturb_lora(model, expert)
+    with pytest.raises(LogProbIdentityError, match=f"expert '{expert}'"):
+        LogProbIdentityCheck().check(model, clean_exp)
+
+
+def test_c2_exact_tier_catches_a_change_far_below_the_tolerance(clean_exp, restore_weights):
+    model = restore_weights
+    perturb_lora(model, "transformer", amount=1e-6)
+    stats = LogProbIdentityCheck(exact=()).check(model, clean_exp)  # inside 1e-5: passes without the exact tier
+    assert 0 < stats["transformer"]["max_abs_diff"] <= 1e-5
+    with pytest.raises(LogProbIdentityError, match="expected bitwise equality"):
+        LogProbIdentityCheck().check(model, clean_exp)
+
+
+def test_c2_fires_on_a_sigma_shifted_by_one_step_in_the_recompute(built, clean_exp, monkeypatch):
+    model, _ = built
+    original = RolloutEngine.dit_step_logprob
+
+    def shifted(self, record, step, chunk):
+        sigmas, (start, end) = flow_sigmas(self.config.num_steps, self.config.shift), self.config.sde_window
+        off_by_one = replace(record, sigma=sigmas[start + 1 : end + 1], sigma_next=sigmas[start + 2 : end + 2])
+        return original(self, off_by_one, step, chunk)
+
+    monkeypatch.setattr(RolloutEngine, "dit_step_logprob", shifted)
+    with pytest.raises(LogProbIdentityError, match=r"expert 'transformer' at step 0.*SDE step"):
+        LogProbIdentityCheck().check(model, clean_exp)
+
+
+def test_c2_precision_presets_and_warn_action(built, clean_exp, restore_weights):
+    model = restore_weights
+    assert LogProbIdentityCheck().tolerances(model, "llm") == PRECISION_TOLERANCES["float32"]
+    half = LogProbIdentityCheck(precision="bfloat16").tolerances(model, "llm")
+    assert (half.max_abs, half.mean_abs, half.k3, half.action) == (None, 1e-2, 1e-3, "warn")
+    assert LogProbIdentityCheck(precision="bfloat16", tolerance=0.5).tolerances(model, "llm").max_abs == 0.5
+    perturb_lora(model, "llm")
+    with pytest.warns(UserWarning, match="C2 log-prob identity failed for expert 'llm'"):
+        LogProbIdentityCheck(action="warn").check(model, clean_exp)
+    with pytest.raises(ValueError, match="precision"):
+        LogProbIdentityCheck(precision="fp8")
+
+
+# ------------------------------------------------------------------------------------------ parity
+
+
+def test_parity_passes_on_the_default_recipe(built):
+    model, _ = built
+    gate = InterleaveParityCheck(every_n_steps=1)
+    assert gate._counts(model.engine) == [8, 4, 8, 4], "the probe mixes step counts"
+    report = gate.check(model)
+    assert not report.failures
+    assert set(report.diffs) == {"llm", "transformer", "images"}
+    assert report.max_abs_diff <= 1e-4
+
+
+def test_parity_fires_on_a_module_global_rng_shared_by_requests(built, monkeypatch):
+    model, _ = built
+    shared_rng_generators(monkeypatch)
+    with pytest.raises(InterleaveParityError, match=r"at step 0.*llm/rollout request 0: tokens differ"):
+        InterleaveParityCheck(num_requests=2, profiles=("rollout",)).check(model)
+
+
+def test_parity_fires_on_noise_that_depends_on_batch_position(built, monkeypatch):
+    model, _ = built
+    position_seeded_generators(monkeypatch)
+    # Serve decodes greedily, so only the DiT's initial noise carries the fault there.
+    with pytest.raises(InterleaveParityError, match=r"transformer/serve request 1 \(4 steps\) latents") as err:
+        InterleaveParityCheck(num_requests=2, profiles=("serve",)).check(model)
+    assert "request 0" not in str(err.value), "position 0 is seeded alike both ways"
+
+
+def test_parity_fails_when_both_sides_are_empty(built, monkeypatch):
+    model, _ = built
+    report = ParityReport()
+    report.tokens("llm", torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    report.values("dit", "transformer", torch.zeros(0), torch.zeros(0), 1e-5)
+    assert report.failures == ["llm: both sides are empty", "dit: both sides are empty"]
+    monkeypatch.setattr(model.engine, "llm", None)
+    monkeypatch.setattr(RolloutEngine, "denoise", lambda self, hidden, *a, **k: (hidden[:, :0, :0], None))
+    monkeypatch.setattr(UniRLModule, "decode", lambda self, latents: latents)
+    with pytest.raises(InterleaveParityError, match="both sides are empty"):
+        InterleaveParityCheck(num_requests=2, profiles=("serve",)).check(model)
+
+
+def test_parity_divergence_names_where_and_how_much(built, monkeypatch):
+    model, _ = built
+    original = RolloutEngine.denoise
+
+    def off_when_alone(self, hidden, *args, **kwargs):
+        latents, record = original(self, hidden, *args, **kwargs)
+        return (latents + 1e-3 if hidden.shape[0] == 1 else latents), record
+
+    monkeypatch.setattr(RolloutEngine, "denoise", off_when_alone)
+    where = r"transformer/serve request 0 \(8 steps\) latents: \|batched - serial\| = [0-9.]+e-0[34] at element"
+    with pytest.raises(InterleaveParityError, match=where):
+        InterleaveParityCheck(num_requests=2, profiles=("serve",)).check(model)
+
+
+# --------------------------------------------------------- per-request step counts in the engine
+
+
+def test_denoise_with_per_request_step_counts(built):
+    model, _ = built
+    engine = model.engine
+    hidden, pooled = model.text_encoder.encode(["a red circle"] * 3)
+    default, rec = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout")
+    same, rec_same = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 8, 8])
+    assert torch.equal(default, same) and torch.equal(rec.old_logp, rec_same.old_logp) and rec_same.sigma.ndim == 1
+
+    mixed, rec_mixed = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 4, 6])
+    assert rec_mixed.sigma.shape == (3, 3) and rec_mixed.sigma_max.shape == (3,)
+    # Each sample follows its own schedule: it equals a run configured with its step count outright.
+    four, rec_four = engine.with_config(num_steps=4).denoise(hidden[1:2], pooled[1:2], [5], [1], "rollout")
+    assert max_abs_diff(mixed[1:2], four) <= 1e-5 and max_abs_diff(rec_mixed.old_logp[1:2], rec_four.old_logp) <= 1e-5
+    assert torch.equal(rec_mixed.sigma[1], rec_four.sigma) and float(rec_mixed.sigma_max[1]) == rec_four.sigma_max
+    # The per-sample record re-scores bit for bit: the C2 identity holds for mixed schedules too.
+    assert torch.equal(engine.dit_logprobs(rec_mixed), rec_mixed.old_logp)
+    with pytest.raises(ValueError, match="needs >= 3 steps"):
+        engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 2, 8])
+    with pytest.raises(ValueError, match="num_steps has 2 entries for 3 requests"):
+        engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "serve", num_steps=[8, 2])
+
+
+# ----------------------------------------------------------------------------- seeded determinism
+
+
+def test_same_seed_gives_a_bit_identical_rollout_twice_in_one_process(built, clean_exp):
+    model, dm = built
+    assert fingerprint(collect(model, dm)) == fingerprint(clean_exp)
+    # Power: the fingerprint does see a different seed.
+    other = collect(model, dm, request_ids=[4, 7])
+    assert fingerprint(other) != fingerprint(clean_exp)
+
+
+def test_same_seed_gives_a_bit_identical_rollout_in_a_fresh_process(clean_exp):
+    code = "from tests.test_gates import fresh_fingerprint; print(fresh_fingerprint())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == fingerprint(clean_exp)
+
+
+def _split_like_two_ranks(model, dm):
+    """One process with 4 prompts vs two 'ranks' with 2 prompts each (same global request ids)."""
+    prompts, ids = ["a red circle", "a blue square", "a green triangle", "an orange triangle"], [10, 11, 12, 13]
+    whole = collect(model, dm, prompts, ids)
+    parts = [collect(model, dm, prompts[:2], ids[:2]), collect(model, dm, prompts[2:], ids[2:])]
+    return whole, parts
+
+
+def _rank_split_diffs(whole: Experience, parts: list[Experience]) -> dict[str, float]:
+    cat = torch.cat
+    assert whole.lm is not None and whole.dit is not None
+    lm = [p.lm for p in parts]
+    dit = [p.dit for p in parts]
+    return {
+        "refined_equal": float(whole.refined == parts[0].refined + parts[1].refined),
+        "initial_noise": max_abs_diff(whole.dit.prev[:, 0], cat([d.prev[:, 0] for d in dit])),
+        "lm_logp": max_abs_diff(whole.lm.old_logp.sum(1), cat([r.old_logp.sum(1) for r in lm])),
+        "dit_logp": max_abs_diff(whole.dit.old_logp, cat([d.old_logp for d in dit])),
+        "images": max_abs_diff(whole.images, cat([p.images for p in parts])),
+        "rewards": max_abs_diff(whole.rewards, cat([p.rewards for p in parts])),
+    }
+
+
+def test_a_sample_does_not_depend_on_batch_size_position_or_rank_count(built):
+    model, dm = built
+    diffs = _rank_split_diffs(*_split_like_two_ranks(model, dm))
+    assert diffs["refined_equal"] == 1.0 and diffs["initial_noise"] == 0.0, diffs
+    # Everything downstream of the noise goes through batch-variant kernels: equal to rounding.
+    assert max(diffs["lm_logp"], diffs["dit_logp"], diffs["images"], diffs["rewards"]) <= 1e-4, diffs
+
+
+def test_batch_position_dependent_noise_is_detected_by_the_rank_split_comparison(built, monkeypatch):
+    model, dm = built
+    position_seeded_generators(monkeypatch)
+    diffs = _rank_split_diffs(*_split_like_two_ranks(model, dm))
+    assert diffs["refined_equal"] == 0.0 and diffs["initial_noise"] > 0.1, diffs
+
+
+def test_batch_invariance_with_a_negative_control(built):
+    """Alone vs inside a batch: a wide float32 linear layer differs (so the comparison can fail), while a
+    rollout with one image per DiT forward is bitwise identical wherever the sample sits."""
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(1024, 1024)
+    x = torch.randn(8, 1024, generator=g)
+    with torch.no_grad():
+        control = max_abs_diff(linear(x)[3], linear(x[3:4])[0])
+    assert control > 0.0, "negative control: batched float32 GEMM on CPU should not be bitwise equal to one row"
+
+    model, _ = built
+    engine = model.engine.with_config(micro_batch_size=1)
+    hidden, pooled = model.text_encoder.encode(["a red circle"] * 5)
+    batched, rec_b = engine.denoise(hidden, pooled, [20, 21, 22, 23, 24], [0, 1, 2, 3, 4], "rollout")
+    alone, rec_a = engine.denoise(hidden[3:4], pooled[3:4], [23], [3], "rollout")
+    assert max_abs_diff(batched[3], alone[0]) == 0.0
+    assert max_abs_diff(rec_b.old_logp[3], rec_a.old_logp[0]) == 0.0
+
+
+# ------------------------------------------------------------------------------------- fit level
+
+
+class PerturbLoRA(pl.Callback):
+    """Fault: changes an adapter weight after rollout and before the C2 gate's recompute."""
+
+    def __init__(self, expert: str) -> None:
+        self.expert = expert
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        perturb_lora(pl_module, self.expert)
+
+
+def fit(tmp_path, callbacks: list[pl.Callback], *overrides: str):
+    """Fit the default recipe for the given callbacks (first in line) and return the CLI object."""
+    cli = main(["--config", JOINT, "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
+                "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
+                "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                f"--trainer.default_root_dir={tmp_path}", *overrides], run=False)
+    cli.trainer.callbacks[:0] = callbacks
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    return cli
+
+
+def test_fit_gates_pass_on_the_default_recipe(tmp_path):
+    gates = [LogProbIdentityCheck(), InterleaveParityCheck(every_n_steps=1, num_requests=2), WeightVersionLedger()]
+    cli = fit(tmp_path, gates, "--trainer.max_steps=2")
+    rows = read_metrics(cli)
+    assert max(series(rows, "c2/llm_max_abs_diff")) <= 1e-5
+    assert set(series(rows, "c2/transformer_max_abs_diff")) == {0.0}
+    assert all(abs(r - 1) <= 1e-5 for r in series(rows, "c2/llm_ratio_mean") + series(rows, "transformer/ratio_mean"))
+    assert set(series(rows, "c2/llm_clip_frac_high") + series(rows, "c2/llm_clip_frac_low")) == {0.0}
+    parity = series(rows, "parity/max_abs_diff")
+    assert len(parity) == 2 and max(parity) <= 1e-4, "parity runs at fit start and at step 1"
+
+
+def test_fit_c2_fires_when_a_weight_changes_before_the_recompute(tmp_path):
+    with pytest.raises(LogProbIdentityError, match="expert 'llm' at step 0"):
+        fit(tmp_path, [PerturbLoRA("llm"), LogProbIdentityCheck()], "--trainer.max_steps=1")
+
+
+def test_fit_parity_fires_at_fit_start_before_any_rollout(tmp_path, monkeypatch):
+    shared_rng_generators(monkeypatch)
+
+    def no_rollout(*args, **kwargs):
+        raise AssertionError("a rollout ran before the parity gate")
+
+    monkeypatch.setattr(UniRLModule, "collect_experience", no_rollout)
+    with pytest.raises(InterleaveParityError, match="at step 0"):
+        fit(tmp_path, [InterleaveParityCheck(num_requests=2, profiles=("rollout",))], "--trainer.max_steps=1")

@@ -1,0 +1,50 @@
+"""FSDP2 sharding of the trained experts and the loss weights that keep multi-rank gradients equal to one process's.
+
+Lightning's ``ModelParallelStrategy`` hands ``configure_model`` a device mesh; :func:`shard_experts`
+applies ``fully_shard`` to every transformer block of each trained expert (LoRA already attached
+by ``build()``), then to the expert's root for the leftover parameters. Frozen components (text
+encoder, VAE) stay replicated: they are small next to the experts and never need gradients.
+
+DDP and FSDP2 average gradients over ranks, which equals the single-process gradient only when each
+rank's loss is a mean over equally many items. The DiT loss is (true: every rank renders the same
+number of samples); the LM's token-level loss is not (refinements differ in length), so
+:func:`token_loss_weight` rescales each rank's LM loss by ``world * local_tokens / global_tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a peft-wrapped causal LM (``layers``) or a diffusers DiT (``transformer_blocks``)."""
+    for name in ("transformer_blocks", "layers"):
+        for module in model.modules():
+            blocks = getattr(module, name, None)
+            if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
+                return list(blocks)
+    raise ValueError(f"found no transformer blocks in {type(model).__name__}")
+
+
+def shard_experts(experts: dict[str, Any], trained: list[str], mesh: Any, reshard_after_forward: bool) -> None:
+    """``fully_shard`` each trained expert's blocks and root over ``mesh`` (the data-parallel sub-mesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for name in trained:
+        model = experts[name].model
+        for block in transformer_blocks(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
+def token_loss_weight(mask: Tensor, strategy: Any) -> float:
+    """``world * local_tokens / global_tokens``: the factor that makes rank-averaged token means a global mean."""
+    world = strategy.world_size if strategy is not None else 1
+    if world == 1:
+        return 1.0
+    local = mask.sum().to(torch.float64)
+    total = strategy.reduce(local.clone(), reduce_op="sum")
+    return float(world * local / total.clamp_min(1))

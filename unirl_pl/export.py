@@ -1,0 +1,79 @@
+"""Export trained adapters in their libraries' own formats: ``python -m unirl_pl.export``.
+
+``<out>/llm`` holds the LM adapter in peft format (``PeftModel.from_pretrained(base, <out>/llm)``)
+and ``<out>/transformer`` the DiT adapter in diffusers' LoRA format
+(``pipeline.load_lora_weights(<out>/transformer)`` or
+``transformer.load_lora_adapter(<out>/transformer, use_safetensors=True)``). From the command line
+the module is rebuilt from the run's recipe (or the ``config.yaml`` Lightning saved next to the
+logs) and its trained weights come from a checkpoint::
+
+    python -m unirl_pl.export --config recipes/joint.yaml --ckpt runs/.../last.ckpt --out adapters/
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+ADAPTER_DIRS = {"llm": "llm", "transformer": "transformer"}
+
+
+def export_adapters(module: Any, out_dir: str | Path) -> dict[str, Path]:
+    """Write every built expert adapter of ``module`` (a ``UniRLModule``) under ``out_dir``; return the paths.
+
+    Both experts are written even when the mode froze one, so a folder is always a complete policy.
+    """
+    out = Path(out_dir)
+    written = {}
+    for name, sub in ADAPTER_DIRS.items():
+        expert = module.experts().get(name)
+        if expert is None or not expert.is_built:
+            continue
+        path = out / sub
+        path.mkdir(parents=True, exist_ok=True)
+        expert.save_adapter(str(path))
+        written[name] = path
+    return written
+
+
+def load_checkpoint_into(module: Any, ckpt_path: str | Path) -> dict[str, Any]:
+    """Build ``module``'s experts and load a Lightning checkpoint's weights and versions into it."""
+    module.configure_model()
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    module.on_load_checkpoint(checkpoint)  # restores versions and refills trimmed base weights
+    module.load_state_dict(checkpoint["state_dict"], strict=True)
+    return checkpoint
+
+
+def main(argv: list[str] | None = None) -> dict[str, Path]:
+    """Command-line entry: rebuild the module from ``--config``, load ``--ckpt``, export to ``--out``."""
+    parser = argparse.ArgumentParser(prog="python -m unirl_pl.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's recipe YAML (or the config.yaml it saved)")
+    parser.add_argument("--ckpt", required=True, help="a checkpoint written by fit")
+    parser.add_argument("--out", required=True, help="output folder; gets llm/ and transformer/")
+    args = parser.parse_args(argv)
+    if not Path(args.ckpt).is_file():
+        parser.error(f"checkpoint {args.ckpt!r} does not exist")
+    from unirl_pl.cli import main as cli_main
+
+    # Only model and data matter here; a config saved by ``fit`` also holds fit-only keys (ckpt_path).
+    config = yaml.safe_load(Path(args.config).read_text())
+    kept = {k: config[k] for k in ("seed_everything", "model", "data") if k in config}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(yaml.safe_dump(kept))
+        cli = cli_main(["--config", str(path), "--trainer.logger=false"], run=False)
+    load_checkpoint_into(cli.model, args.ckpt)
+    written = export_adapters(cli.model, args.out)
+    for name, path in written.items():
+        print(f"{name}: {path}")
+    return written
+
+
+if __name__ == "__main__":
+    main()

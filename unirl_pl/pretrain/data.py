@@ -1,0 +1,141 @@
+"""DataModules for pretraining: rendered ShapesWorld scenes and paraphrase -> caption pairs.
+
+Both stream whole batches from an infinite ``IterableDataset`` whose batch ``i`` is a pure function
+of ``(seed, i)``, so a run is reproducible from its recipe and nothing is stored on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from unirl_pl.shapes.prompts import make_prompt_set, paraphrase
+from unirl_pl.shapes.render import DEFAULT_SIZE, render_batch
+from unirl_pl.shapes.scenes import caption, sample_scene
+
+# Renders of step i use seed ``seed * _STRIDE + i``; the stride keeps different seeds' streams apart.
+_STRIDE = 10_000_000
+
+
+def scene_batch(seed: int, step: int, batch_size: int, size: int = DEFAULT_SIZE) -> dict[str, Any]:
+    """Batch ``step`` of the scene stream: ``images`` (B, 3, size, size) in [-1, 1] and ``captions``.
+
+    Categories are uniform (``sample_scene``); images are rendered ground truth for those captions.
+    """
+    rng = np.random.default_rng((seed, step))
+    specs = [sample_scene(rng) for _ in range(batch_size)]
+    pixels = render_batch(specs, seed * _STRIDE + step, size)
+    images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return {"images": images, "captions": [caption(s) for s in specs]}
+
+
+def pair_batch(seed: int, step: int, batch_size: int) -> dict[str, Any]:
+    """Batch ``step`` of (train-split paraphrase, canonical caption) pairs as ``prompts``/``captions``."""
+    rng = np.random.default_rng((seed, step))
+    specs = [sample_scene(rng) for _ in range(batch_size)]
+    return {"prompts": [paraphrase(s, rng, "train") for s in specs], "captions": [caption(s) for s in specs]}
+
+
+class _Stream(IterableDataset):
+    def __init__(self, make: Any, seed: int, batch_size: int) -> None:
+        self.make, self.seed, self.batch_size = make, seed, batch_size
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        step = 0
+        while True:
+            yield self.make(self.seed, step, self.batch_size)
+            step += 1
+
+
+class _Fixed(torch.utils.data.Dataset):
+    def __init__(self, batches: list[dict[str, Any]]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.batches[i]
+
+
+def _heldout_batches(n: int, seed: int, split: str, batch_size: int) -> list[dict[str, Any]]:
+    rows = make_prompt_set(n, seed, split)
+    return [
+        {
+            "prompts": [r["prompt"] for r in rows[i : i + batch_size]],
+            "captions": [r["caption"] for r in rows[i : i + batch_size]],
+        }
+        for i in range(0, n, batch_size)
+    ]
+
+
+class _PretrainData(pl.LightningDataModule):
+    make: Any = None
+
+    def __init__(self, batch_size: int, seed: int, val_prompts: int, val_seed: int, val_split: str) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.batch_size, self.seed = batch_size, seed
+        self.val_prompts, self.val_seed, self.val_split = val_prompts, val_seed, val_split
+
+    def train_dataloader(self) -> DataLoader:
+        # Batches are already whole; rendering is ~0.2 ms per image, so no worker processes are needed.
+        return DataLoader(_Stream(type(self).make, self.seed, self.batch_size), batch_size=None)
+
+    def val_dataloader(self) -> DataLoader:
+        batches = _heldout_batches(self.val_prompts, self.val_seed, self.val_split, self.batch_size)
+        return DataLoader(_Fixed(batches), batch_size=None)
+
+
+class SceneDataModule(_PretrainData):
+    """Rendered scenes with canonical captions for flow-matching pretraining of the DiT.
+
+    Args:
+        batch_size: Images per optimizer step.
+        seed: Seed of the scene stream (batch ``i`` depends only on ``(seed, i)``).
+        val_prompts: Held-out prompts scored by sampling at validation (0 disables validation data).
+        val_seed: Seed of the held-out prompt set (``make_prompt_set``).
+        val_split: Phrasing of the held-out prompts: ``canonical``, ``train`` or ``heldout``.
+    """
+
+    make = staticmethod(scene_batch)
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        seed: int = 0,
+        val_prompts: int = 48,
+        val_seed: int = 1000,
+        val_split: str = "canonical",
+    ) -> None:
+        super().__init__(batch_size, seed, val_prompts, val_seed, val_split)
+
+
+class ParaphraseDataModule(_PretrainData):
+    """Train-split (paraphrase, canonical caption) pairs for supervised fine-tuning of the refiner.
+
+    Args:
+        batch_size: Pairs per optimizer step.
+        seed: Seed of the pair stream (batch ``i`` depends only on ``(seed, i)``).
+        val_prompts: Held-out prompts whose greedy refinements are checked at validation.
+        val_seed: Seed of the held-out prompt set.
+        val_split: Phrasing of the validation prompts: ``heldout`` (unseen phrasing) or ``train``.
+    """
+
+    make = staticmethod(pair_batch)
+
+    def __init__(
+        self,
+        batch_size: int = 64,
+        seed: int = 0,
+        val_prompts: int = 60,
+        val_seed: int = 1000,
+        val_split: str = "heldout",
+    ) -> None:
+        super().__init__(batch_size, seed, val_prompts, val_seed, val_split)
