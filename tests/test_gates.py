@@ -9,6 +9,7 @@ are undone after each test, so the shared module stays clean.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -63,7 +64,17 @@ def fresh_fingerprint() -> str:
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max())
+    return float((a.detach().double() - b.detach().double()).abs().max())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and with another process on the second core every
+    parallel region waits for a descheduled thread: these tests ran 12x slower with 2 threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -160,11 +171,13 @@ def test_c2_fires_when_the_recompute_ignores_temperature_or_top_k(built, monkeyp
         LogProbIdentityCheck().check(model, exp)
 
 
-@pytest.mark.parametrize("expert", ["llm", "transformer"])
-def test_c2_fires_when_weights_change_between_rollout_and_recompute(clean_exp, restore_weights, expert):
+# The DiT's log-prob is a mean over every latent element, so a mismatch mostly averages out: this
+# perturbation moves it by ~2e-6, under any float tolerance. Only the bitwise tier sees it.
+@pytest.mark.parametrize(("expert", "why"), [("llm", r"max \|logp_recompute"), ("transformer", "expected bitwise")])
+def test_c2_fires_when_weights_change_between_rollout_and_recompute(clean_exp, restore_weights, expert, why):
     model = restore_weights
     perturb_lora(model, expert)
-    with pytest.raises(LogProbIdentityError, match=f"expert '{expert}'"):
+    with pytest.raises(LogProbIdentityError, match=f"expert '{expert}' at step 0: {why}"):
         LogProbIdentityCheck().check(model, clean_exp)
 
 
@@ -210,7 +223,7 @@ def test_c2_precision_presets_and_warn_action(built, clean_exp, restore_weights)
 def test_parity_passes_on_the_default_recipe(built):
     model, _ = built
     gate = InterleaveParityCheck(every_n_steps=1)
-    assert gate._counts(model.engine) == [8, 4, 8, 4], "the probe mixes step counts"
+    assert gate.probe_step_counts(model.engine) == [8, 4, 8, 4], "the probe mixes step counts"
     report = gate.check(model)
     assert not report.failures
     assert set(report.diffs) == {"llm", "transformer", "images"}
@@ -263,6 +276,7 @@ def test_parity_divergence_names_where_and_how_much(built, monkeypatch):
 # --------------------------------------------------------- per-request step counts in the engine
 
 
+@torch.no_grad()
 def test_denoise_with_per_request_step_counts(built):
     model, _ = built
     engine = model.engine
@@ -288,19 +302,26 @@ def test_denoise_with_per_request_step_counts(built):
 # ----------------------------------------------------------------------------- seeded determinism
 
 
-def test_same_seed_gives_a_bit_identical_rollout_twice_in_one_process(built, clean_exp):
-    model, dm = built
-    assert fingerprint(collect(model, dm)) == fingerprint(clean_exp)
+# Fresh builds, not the shared module: the text-feature cache encodes its misses together, so cached
+# features depend (to ~4e-7) on what was encoded before; a fresh module has no history.
+@pytest.fixture(scope="module")
+def fresh_fp() -> str:
+    return fresh_fingerprint()
+
+
+def test_same_seed_gives_a_bit_identical_rollout_twice_in_one_process(fresh_fp):
+    assert fresh_fingerprint() == fresh_fp
     # Power: the fingerprint does see a different seed.
-    other = collect(model, dm, request_ids=[4, 7])
-    assert fingerprint(other) != fingerprint(clean_exp)
+    model, dm = build()
+    assert fingerprint(collect(model, dm, request_ids=[4, 7])) != fresh_fp
 
 
-def test_same_seed_gives_a_bit_identical_rollout_in_a_fresh_process(clean_exp):
+def test_same_seed_gives_a_bit_identical_rollout_in_a_fresh_process(fresh_fp):
     code = "from tests.test_gates import fresh_fingerprint; print(fresh_fingerprint())"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == fingerprint(clean_exp)
+    assert out.stdout.strip().splitlines()[-1] == fresh_fp
 
 
 def _split_like_two_ranks(model, dm):
@@ -341,6 +362,7 @@ def test_batch_position_dependent_noise_is_detected_by_the_rank_split_comparison
     assert diffs["refined_equal"] == 0.0 and diffs["initial_noise"] > 0.1, diffs
 
 
+@torch.no_grad()
 def test_batch_invariance_with_a_negative_control(built):
     """Alone vs inside a batch: a wide float32 linear layer differs (so the comparison can fail), while a
     rollout with one image per DiT forward is bitwise identical wherever the sample sits."""

@@ -45,8 +45,11 @@ class VersionLedger:
 class FeatureCache:
     """An LRU cache of per-text features keyed by (component, version, text), with hit statistics.
 
-    ``get_or_compute`` looks every text up, computes the misses in one batched call and returns the
-    features stacked in input order, so a group of K samples sharing a prompt encodes it once.
+    ``get_or_compute`` looks every text up, computes each distinct miss once and returns the features
+    stacked in input order, so a group of K samples sharing a prompt encodes it once. Misses are
+    encoded one text per call: batch-variant kernels would otherwise make a text's cached features
+    depend on which other texts happened to miss with it, and a resumed run (cold cache) would
+    condition the generator on slightly different features than the uninterrupted one.
     """
 
     def __init__(self, ledger: VersionLedger, max_entries: int = 4096) -> None:
@@ -59,16 +62,15 @@ class FeatureCache:
     def get_or_compute(
         self, component: str, texts: Sequence[str], compute: Callable[[list[str]], tuple[Tensor, ...]]
     ) -> tuple[Tensor, ...]:
-        """Features for ``texts`` from ``component`` at its current version; misses computed together."""
+        """Features for ``texts`` from ``component`` at its current version; each distinct miss computed once."""
         version = self.ledger[component]
         keys = [(component, version, t) for t in texts]
         missing = list(dict.fromkeys(t for k, t in zip(keys, texts, strict=True) if k not in self._store))
         self.lookups += len(texts)
         self.hits += len(texts) - len(missing)
-        if missing:
-            feats = compute(missing)
-            for i, text in enumerate(missing):
-                self._store[(component, version, text)] = tuple(f[i].detach() for f in feats)
+        for text in missing:
+            feats = compute([text])
+            self._store[(component, version, text)] = tuple(f[0].detach() for f in feats)
         for k in keys:
             self._store.move_to_end(k)
         out = [self._store[k] for k in keys]

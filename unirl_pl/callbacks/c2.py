@@ -112,8 +112,11 @@ class LogProbIdentityCheck(pl.Callback):
         if not isinstance(batch, Experience) or trainer.global_step % self.every_n_steps:
             return
         measured = self.measure(pl_module, batch)
-        for name, (stats, _) in measured.items():
-            pl_module.log_dict({f"c2/{name}_{k}": v for k, v in stats.items()}, batch_size=len(batch.prompts))
+        metrics = {f"c2/{name}_{k}": v for name, (stats, _) in measured.items() for k, v in stats.items()}
+        # Straight to the loggers: within an epoch Lightning re-emits a self.log step metric on every later
+        # step, which with every_n_steps > 1 would show checks that never ran.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
         self.enforce(pl_module, batch, measured, trainer.global_step)
 
     def check(self, pl_module: pl.LightningModule, batch: Experience, step: int = 0) -> dict[str, dict[str, float]]:

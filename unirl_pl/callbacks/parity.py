@@ -128,25 +128,27 @@ class InterleaveParityCheck(pl.Callback):
         self.num_requests, self.step_counts, self.profiles = num_requests, step_counts, tuple(profiles)
         self.action = action
         self.last: ParityReport | None = None
-        self._pending = False
+        self._checked_at: int | None = None
 
     # ------------------------------------------------------------------ hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.check(pl_module, trainer.global_step)
-        self._pending = True  # Lightning forbids logging in on_fit_start; the first batch logs it.
+        self._run(trainer, pl_module)
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self._pending:
-            if trainer.global_step == 0 or trainer.global_step % self.every_n_steps:
-                return
-            self.check(pl_module, trainer.global_step)
-        self._pending = False
-        assert self.last is not None
-        metrics = {"parity/max_abs_diff": self.last.max_abs_diff}
-        metrics.update({f"parity/{k}_max_abs_diff": v for k, v in self.last.diffs.items()})
-        pl_module.log_dict(metrics, batch_size=1)
+        if trainer.global_step % self.every_n_steps == 0 and trainer.global_step != self._checked_at:
+            self._run(trainer, pl_module)
+
+    def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = self.check(pl_module, trainer.global_step)
+        self._checked_at = trainer.global_step
+        metrics = {"parity/max_abs_diff": report.max_abs_diff}
+        metrics.update({f"parity/{k}_max_abs_diff": v for k, v in report.diffs.items()})
+        # Straight to the loggers: self.log is refused in on_fit_start, and within an epoch Lightning
+        # re-emits a step metric on every later step, which would show checks that never ran.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ the check
     @torch.no_grad()
@@ -162,11 +164,11 @@ class InterleaveParityCheck(pl.Callback):
             self._compare_dit(pl_module, engine, profile, report)
         self.last = report
         if report.failures:
+            probe = f"probe {self.prompt!r} x {self.num_requests}, step counts {self.probe_step_counts(engine)}"
             msg = (
-                f"Interleave parity failed at step {step} (probe {self.prompt!r} x {self.num_requests}, "
-                f"step counts {self._counts(engine)}): " + "; ".join(report.failures) + ". A request's result "
-                "depends on what it is batched with: look for randomness shared across requests or noise that "
-                "depends on batch position."
+                f"Interleave parity failed at step {step} ({probe}): " + "; ".join(report.failures) + ". A request's "
+                "result depends on what it is batched with: look for randomness shared across requests or noise "
+                "that depends on batch position."
             )
             if self.action == "raise":
                 raise InterleaveParityError(msg)
@@ -176,7 +178,8 @@ class InterleaveParityCheck(pl.Callback):
     def _requests(self) -> tuple[list[int], list[int]]:
         return [PROBE_REQUEST_ID] * self.num_requests, list(range(self.num_requests))
 
-    def _counts(self, engine: RolloutEngine) -> list[int]:
+    def probe_step_counts(self, engine: RolloutEngine) -> list[int]:
+        """The denoising step count of each probe request (``step_counts`` cycled, or the default mix)."""
         cfg = engine.config
         options = self.step_counts or [cfg.num_steps, max(cfg.sde_window[1], (cfg.num_steps + 1) // 2)]
         return [options[i % len(options)] for i in range(self.num_requests)]
@@ -196,7 +199,7 @@ class InterleaveParityCheck(pl.Callback):
         self, pl_module: pl.LightningModule, engine: RolloutEngine, profile: ProbeProfile, report: ParityReport
     ) -> None:
         ids, idx = self._requests()
-        counts = self._counts(engine)
+        counts = self.probe_step_counts(engine)
         n = len(ids)
         # Straight to the encoder, not through the module's feature cache: the probe must not move its hit rate.
         hidden, pooled = pl_module.text_encoder.encode([self.prompt])
