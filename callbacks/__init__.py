@@ -1,1 +1,4 @@
-"""Plugin checks: user-written callbacks loaded from a recipe by ``class_path`` (e.g. ``callbacks.reward_range.RewardRangeCheck``)."""
+"""Plugin checks: user-written callbacks that a recipe loads by ``class_path``.
+
+Example: ``class_path: callbacks.reward_range.RewardRangeCheck``.
+"""

@@ -41,6 +41,7 @@ class RewardRangeCheck(pl.Callback):
         if bool(bad.any()):
             i = int(bad.nonzero()[0])
             raise ValueError(
-                f"reward {float(rewards[i])} of sample {i} (prompt {batch.prompts[i]!r}) is outside [{self.low}, {self.high}]"
+                f"reward {float(rewards[i])} of sample {i} (prompt {batch.prompts[i]!r}) "
+                f"is outside [{self.low}, {self.high}]"
             )
         self.checked += 1

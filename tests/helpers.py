@@ -8,11 +8,15 @@ from pathlib import Path
 from unirl_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny.yaml")
 JOINT = str(ROOT / "recipes" / "joint.yaml")
 
 
-def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: str = JOINT, name: str = "run"):
-    """Run ``python -m unirl_pl <subcommand> --config <config> ...`` in this process; return the CLI object."""
+def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: str = TINY, name: str = "run"):
+    """Run ``python -m unirl_pl <subcommand> --config <config> ...`` in this process; return the CLI object.
+
+    The tiny recipe is the default: the trainer's own tests need speed, not a pretrained task.
+    """
     args = [
         subcommand,
         "--config",

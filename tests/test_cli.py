@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import JOINT, read_metrics, run_cli, series
+from tests.helpers import TINY, read_metrics, run_cli, series
 from unirl_pl.cli import main
 from unirl_pl.experts import FlowTransformerExpert
 
@@ -62,7 +62,7 @@ def test_predict_writes_pngs(tmp_path):
         [
             "predict",
             "--config",
-            JOINT,
+            TINY,
             "--trainer.enable_progress_bar=false",
             f"--trainer.callbacks=[{{class_path: unirl_pl.callbacks.ImageWriter, init_args: {{output_dir: {out}}}}}]",
             "--data.predict_prompts=[a red circle, two blue squares]",
@@ -75,7 +75,7 @@ def test_predict_writes_pngs(tmp_path):
 
 def test_print_config_round_trips(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        main(["fit", "--config", JOINT, "--print_config"])
+        main(["fit", "--config", TINY, "--print_config"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
     assert "samples_per_prompt: 4" in text and "CausalLMExpert" in text
@@ -93,7 +93,7 @@ def no_build(monkeypatch):
 
 def _expect_error(capsys, args, *needles):
     with pytest.raises((SystemExit, ValueError)) as exc:
-        main(["fit", "--config", JOINT, *args])
+        main(["fit", "--config", TINY, *args])
     text = str(exc.value) + capsys.readouterr().err
     for needle in needles:
         assert needle in text, text[-2000:]
@@ -105,7 +105,7 @@ def test_unknown_key_is_named(no_build, capsys):
 
 def test_unknown_key_in_a_recipe_file_is_named(no_build, capsys, tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text(Path(JOINT).read_text().replace("num_skip_refinement: 1", "num_skip_refinment: 1"))
+    bad.write_text(Path(TINY).read_text().replace("num_skip_refinement: 1", "num_skip_refinment: 1"))
     with pytest.raises((SystemExit, ValueError)) as exc:
         main(["fit", "--config", str(bad)])
     assert "num_skip_refinment" in str(exc.value) + capsys.readouterr().err

@@ -144,7 +144,9 @@ def test_jpeg_compressibility_prefers_flat_images():
 
 def test_refiner_format_and_contains_word():
     fmt = RefinerFormat(min_words=2, max_words=4, max_repeats=2)
-    assert fmt([""] * 4, ["a b c", "a", "a b c d e f g", "x x x"], None) == pytest.approx([1.0, 0.6065, 0.2231, 0.0], abs=1e-3)
+    assert fmt([""] * 4, ["a b c", "a", "a b c d e f g", "x x x"], None) == pytest.approx(
+        [1.0, 0.6065, 0.2231, 0.0], abs=1e-3
+    )
     assert ContainsWord("Red")(["", ""], ["a RED box", "reddish"], None) == [1.0, 0.0]
 
 

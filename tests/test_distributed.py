@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import JOINT, ROOT
+from tests.helpers import ROOT, TINY
 
 STEP = [
     "--trainer.max_steps=1",
@@ -38,7 +38,7 @@ STEP = [
 def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
     ckpts = tmp_path / name
     cmd = [
-        sys.executable, "-m", "unirl_pl", "fit", "--config", JOINT, *extra, *STEP,
+        sys.executable, "-m", "unirl_pl", "fit", "--config", TINY, *extra, *STEP,
         f"--trainer.default_root_dir={ckpts}",
         "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger]",
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -62,7 +62,7 @@ def single(tmp_path_factory) -> dict[str, torch.Tensor]:
 def _initial() -> dict[str, torch.Tensor]:
     from unirl_pl.cli import main
 
-    cli = main(["--config", JOINT, "--trainer.logger=false"], run=False)
+    cli = main(["--config", TINY, "--trainer.logger=false"], run=False)
     cli.model.configure_model()
     return {k: v.detach().float() for k, v in cli.model.state_dict().items() if "lora_" in k}
 

@@ -1,7 +1,7 @@
 """The correctness gates, proven by fault injection: each one passes on the default recipe and fires on
 the fault it exists to catch. Also seeded determinism and batch invariance, with a negative control.
 
-Most tests share one module built from ``recipes/joint.yaml`` and call the gates' ``check`` directly;
+Most tests share one module built from ``recipes/tiny.yaml`` and call the gates' ``check`` directly;
 one fit-level test per gate runs them as Lightning callbacks. Fault patches and weight perturbations
 are undone after each test, so the shared module stays clean.
 """
@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from tests.helpers import JOINT, ROOT, read_metrics, series
+from tests.helpers import ROOT, TINY, read_metrics, series
 from unirl_pl import rollout
 from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
 from unirl_pl.callbacks.c2 import PRECISION_TOLERANCES, LogProbIdentityError
@@ -38,7 +38,7 @@ QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_p
 
 def build(*overrides: str):
     """The default recipe's module and data module, experts built, without a trainer run."""
-    cli = main(["--config", JOINT, *QUIET, *overrides], run=False)
+    cli = main(["--config", TINY, *QUIET, *overrides], run=False)
     cli.model.configure_model()
     return cli.model, cli.datamodule
 
@@ -397,7 +397,7 @@ class PerturbLoRA(pl.Callback):
 
 def fit(tmp_path, callbacks: list[pl.Callback], *overrides: str):
     """Fit the default recipe for the given callbacks (first in line) and return the CLI object."""
-    cli = main(["--config", JOINT, "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
+    cli = main(["--config", TINY, "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
                 "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
                 "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={tmp_path}",
                 f"--trainer.default_root_dir={tmp_path}", *overrides], run=False)

@@ -75,4 +75,6 @@ def test_bad_shapes_are_refused():
 def test_global_std_uses_the_std_given_for_all_ranks():
     r = torch.tensor([0.0, 2.0])
     g = torch.tensor([0, 0])
-    assert torch.allclose(group_advantages(r, g, global_std=True, batch_std=4.0), torch.tensor([-1.0, 1.0]) / (4.0 + 1e-4))
+    assert torch.allclose(
+        group_advantages(r, g, global_std=True, batch_std=4.0), torch.tensor([-1.0, 1.0]) / (4.0 + 1e-4)
+    )

@@ -204,7 +204,9 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
         self.train_prompts = load_prompts(prompts)
         self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)
-        self.predict_prompt_list = load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
+        self.predict_prompt_list = (
+            load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
+        )
         self.prompts_per_step = prompts_per_step
         self.samples_per_prompt = samples_per_prompt
         self.num_skip_refinement = num_skip_refinement

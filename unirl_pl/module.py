@@ -207,7 +207,9 @@ class UniRLModule(pl.LightningModule):
         idx = [j for _ in range(p) for j in range(k)]
         rows = [i for i in range(p * k) if idx[i] >= skip]
         lm_profile: Profile = "rollout" if "llm" in self.trained else "serve"
-        refined_rows, lm_record = self.refine([texts[i] for i in rows], [req[i] for i in rows], [idx[i] for i in rows], lm_profile)
+        refined_rows, lm_record = self.refine(
+            [texts[i] for i in rows], [req[i] for i in rows], [idx[i] for i in rows], lm_profile
+        )
         refined = list(texts)
         for i, t in zip(rows, refined_rows, strict=True):
             refined[i] = t
@@ -229,7 +231,9 @@ class UniRLModule(pl.LightningModule):
         text_rewards = rewards.view(p * k, m).mean(1)
         prompt_of_text = torch.arange(p).repeat_interleave(k)
         adv_kwargs = {"global_std": data.global_std, "clip_max": data.adv_clip_max}
-        text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=self._batch_std(text_rewards, data), **adv_kwargs)
+        text_adv = group_advantages(
+            text_rewards, prompt_of_text, batch_std=self._batch_std(text_rewards, data), **adv_kwargs
+        )
         groups = prompt_of_text[img_text] if data.advantage_scheme == "shared" else img_text
         dit_adv = group_advantages(rewards, groups, batch_std=self._batch_std(rewards, data), **adv_kwargs)
         if data.advantage_scheme == "shared" and m == 1:
@@ -279,7 +283,13 @@ class UniRLModule(pl.LightningModule):
             with torch.no_grad(), self.llm.adapter_disabled():
                 ref = self.engine.lm_logprobs(exp.lm)
         return grpo_token_loss(
-            logp, exp.lm.old_logp, exp.lm_advantages, exp.lm.gen_mask, ref_logp=ref, clip_eps=cfg.clip_eps, beta=cfg.beta
+            logp,
+            exp.lm.old_logp,
+            exp.lm_advantages,
+            exp.lm.gen_mask,
+            ref_logp=ref,
+            clip_eps=cfg.clip_eps,
+            beta=cfg.beta,
         )
 
     def _dit_loss(self, exp: Experience) -> LossOutput:
@@ -366,7 +376,9 @@ class UniRLModule(pl.LightningModule):
                     metrics.update(self._loss_metrics(name, outputs[name], grad_norm))
         metrics.update(self._rollout_metrics(exp, staleness))
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(exp.prompts), sync_dist=True)
-        self.log("reward/mean", exp.rewards.mean(), prog_bar=True, on_step=True, batch_size=len(exp.prompts), sync_dist=True)
+        self.log(
+            "reward/mean", exp.rewards.mean(), prog_bar=True, on_step=True, batch_size=len(exp.prompts), sync_dist=True
+        )
 
     def _loss_metrics(self, name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Tensor]:
         return {

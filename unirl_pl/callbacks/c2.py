@@ -179,9 +179,11 @@ def _violations(stats: dict[str, float], limits: Tolerances, exact: bool) -> lis
             f"expected bitwise equality (same function, shapes, dtype and device as rollout) but only "
             f"{stats['frac_bitwise_equal']:.1%} are equal, max |diff| = {stats['max_abs_diff']:.3e}"
         )
-    checks = (("max_abs_diff", limits.max_abs, "max |logp_recompute - logp_behavior|"),
-              ("mean_abs_diff", limits.mean_abs, "mean |logp_recompute - logp_behavior|"),
-              ("k3_mismatch", limits.k3, "mean k3 mismatch KL"))
+    checks = (
+        ("max_abs_diff", limits.max_abs, "max |logp_recompute - logp_behavior|"),
+        ("mean_abs_diff", limits.mean_abs, "mean |logp_recompute - logp_behavior|"),
+        ("k3_mismatch", limits.k3, "mean k3 mismatch KL"),
+    )
     for key, limit, label in checks:
         if limit is not None and stats[key] > limit:
             broken.append(f"{label} = {stats[key]:.3e} > tolerance {limit:.1e}")
@@ -213,8 +215,17 @@ def _compare(
     worst = divmod(int(diff.argmax()), diff.shape[1])
     real = diff[mask]
     if not real.numel():
-        empty = {"max_abs_diff": 0.0, "mean_abs_diff": 0.0, "frac_bitwise_equal": 1.0, "ratio_min": 1.0,
-                 "ratio_mean": 1.0, "ratio_max": 1.0, "k3_mismatch": 0.0, "clip_frac_high": 0.0, "clip_frac_low": 0.0}
+        empty = {
+            "max_abs_diff": 0.0,
+            "mean_abs_diff": 0.0,
+            "frac_bitwise_equal": 1.0,
+            "ratio_min": 1.0,
+            "ratio_mean": 1.0,
+            "ratio_max": 1.0,
+            "k3_mismatch": 0.0,
+            "clip_frac_high": 0.0,
+            "clip_frac_low": 0.0,
+        }
         return empty, worst
     ratio = torch.exp(new - old)[mask]
     stats = {
