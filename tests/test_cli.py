@@ -69,7 +69,10 @@ def test_predict_writes_pngs(tmp_path):
             "--trainer.logger=false",
         ]
     )
-    assert sorted(p.name for p in out.glob("*.png")) == ["0_0000_00.png", "0_0000_01.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == ["0_0000_00.png", "0_0000_01.png", "grid_0_0000.png"]
+    from PIL import Image
+
+    assert Image.open(out / "grid_0_0000.png").size == (2 * 128, 128 + 48)
     assert len((out / "predictions.jsonl").read_text().splitlines()) == 2
 
 

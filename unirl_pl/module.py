@@ -424,6 +424,12 @@ class UniRLModule(pl.LightningModule):
         self.log("val/reward_mean", total.mean(), batch_size=n, sync_dist=True, prog_bar=True)
         for name, values in parts.items():
             self.log(f"val/reward_{name}", values.mean(), batch_size=n, sync_dist=True)
+            breakdown = getattr(self.reward_fn.terms[name], "breakdown", None)
+            if breakdown is not None:
+                # Weighted by each key's count, so the epoch mean is exact however batches mix
+                # categories. Keys differ between ranks, so no sync: under DDP this is rank 0's shard.
+                for key, (mean, count) in breakdown(batch.prompts, images).items():
+                    self.log(f"val/{name}/{key}", mean, batch_size=count, sync_dist=False)
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
         refined, images = self._serve(batch)

@@ -1,27 +1,40 @@
-"""Writes ``predict`` results: one PNG per image and a ``predictions.jsonl`` with prompts and rewards."""
+"""Writes ``predict`` results: one PNG per image, a captioned grid per batch, and ``predictions.jsonl``."""
 
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.callbacks import BasePredictionWriter
-from PIL import Image
+from PIL import Image, ImageDraw, ImageFont
 
 
 class ImageWriter(BasePredictionWriter):
     """Save each predicted image as ``<output_dir>/<rank>_<batch>_<i>.png`` plus one JSONL row per image.
 
+    With ``grid``, each batch also becomes ``grid_<rank>_<batch>.png``: every image enlarged to
+    ``tile`` pixels with its prompt, refined prompt and reward written under it, so a person can
+    judge a checkpoint at a glance.
+
     Args:
         output_dir: Folder for the PNG files and ``predictions.jsonl`` (created if missing).
+        grid: Also write a captioned grid per batch.
+        tile: Side in pixels of each image in the grid (nearest-neighbour upscaling keeps pixels crisp).
+        columns: Images per grid row.
     """
 
-    def __init__(self, output_dir: str = "outputs/predict") -> None:
+    def __init__(
+        self, output_dir: str = "outputs/predict", grid: bool = True, tile: int = 128, columns: int = 4
+    ) -> None:
         super().__init__(write_interval="batch")
+        if tile < 16 or columns < 1:
+            raise ValueError(f"need tile >= 16 and columns >= 1, got {tile}, {columns}")
         self.output_dir = Path(output_dir)
+        self.grid, self.tile, self.columns = grid, tile, columns
 
     def write_on_batch_end(
         self,
@@ -35,6 +48,7 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         images = (prediction["images"].float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+        rows = []
         with (self.output_dir / "predictions.jsonl").open("a") as f:
             for i, img in enumerate(images):
                 name = f"{trainer.global_rank}_{batch_idx:04d}_{i:02d}.png"
@@ -45,4 +59,29 @@ class ImageWriter(BasePredictionWriter):
                     "refined": prediction["refined"][i],
                     "reward": prediction["rewards"][i],
                 }
+                rows.append(row)
                 f.write(json.dumps(row) + "\n")
+        if self.grid:
+            self._grid(images, rows).save(self.output_dir / f"grid_{trainer.global_rank}_{batch_idx:04d}.png")
+
+    def _grid(self, images: np.ndarray, rows: list[dict[str, Any]]) -> Image.Image:
+        font = ImageFont.load_default()
+        text_h = 4 * 12
+        cols = min(self.columns, len(images))
+        n_rows = (len(images) + cols - 1) // cols
+        sheet = Image.new("RGB", (cols * self.tile, n_rows * (self.tile + text_h)), "white")
+        draw = ImageDraw.Draw(sheet)
+        width = max(8, self.tile // 6)
+        for i, (img, row) in enumerate(zip(images, rows, strict=True)):
+            x, y = (i % cols) * self.tile, (i // cols) * (self.tile + text_h)
+            sheet.paste(
+                Image.fromarray(np.ascontiguousarray(img)).resize((self.tile, self.tile), Image.NEAREST), (x, y)
+            )
+            lines = [
+                textwrap.shorten(row["prompt"], width),
+                "-> " + textwrap.shorten(row["refined"] or "(empty)", width - 3),
+                f"reward {row['reward']:.2f}",
+            ]
+            for j, line in enumerate(lines):
+                draw.text((x + 2, y + self.tile + 1 + j * 12), line, fill="black", font=font)
+        return sheet

@@ -69,23 +69,28 @@ class ShapesGenEval:
             return [float(v.strict) for v in verdicts]
         return [float(v.soft) for v in verdicts]
 
-    def per_category(self, prompts: list[str], images: torch.Tensor) -> dict[str, float]:
-        """Mean strict and soft scores per category and overall, keyed like ``strict/counting``.
+    def breakdown(self, prompts: list[str], images: torch.Tensor) -> dict[str, tuple[float, int]]:
+        """``{key: (mean, count)}`` of strict and soft scores per category and overall (``strict/counting``).
 
-        Categories absent from the batch are left out; ``overall`` is the mean over images (not over
-        categories), matching how a reward mean is logged.
+        Counts let a caller average exactly over batches of different composition. Categories absent
+        from the batch are left out; ``overall`` is the mean over images, matching the reward mean.
         """
         verdicts = _verdicts(prompts, images)
         groups: dict[str, list[Verdict]] = defaultdict(list)
         for prompt, verdict in zip(prompts, verdicts, strict=True):
             groups[_cached_spec(prompt).category].append(verdict)
         groups["overall"] = verdicts
-        out: dict[str, float] = {}
+        out: dict[str, tuple[float, int]] = {}
         for name in (*CATEGORIES, "overall"):
             if groups.get(name):
-                out[f"strict/{name}"] = float(np.mean([v.strict for v in groups[name]]))
-                out[f"soft/{name}"] = float(np.mean([v.soft for v in groups[name]]))
+                n = len(groups[name])
+                out[f"strict/{name}"] = (float(np.mean([v.strict for v in groups[name]])), n)
+                out[f"soft/{name}"] = (float(np.mean([v.soft for v in groups[name]])), n)
         return out
+
+    def per_category(self, prompts: list[str], images: torch.Tensor) -> dict[str, float]:
+        """Mean strict and soft scores per category and overall, keyed like ``strict/counting``."""
+        return {key: mean for key, (mean, _) in self.breakdown(prompts, images).items()}
 
 
 def shapes_geneval(prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
