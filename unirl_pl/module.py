@@ -140,6 +140,9 @@ class UniRLModule(pl.LightningModule):
         if self.device_mesh is not None:
             # FSDP2: shard after LoRA is attached so the adapter is sharded with its block.
             shard_experts(self.experts(), self.trained, self.device_mesh["data_parallel"], self.reshard_after_forward)
+            # ModelParallelStrategy loads module weights straight from the file, before
+            # on_load_checkpoint can refill the trimmed frozen weights that configure_model rebuilt.
+            self.strict_loading = False
         self.engine = RolloutEngine(self.llm, self.transformer, self.rollout_config)
 
     def _check_pixel_space(self) -> None:
