@@ -24,7 +24,7 @@ from unirl_pl.distributed import shard_experts, token_loss_weight
 from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert, VAEExpert
 from unirl_pl.losses import LossOutput, flow_grpo_loss, group_advantages, grpo_token_loss, zero_std_fraction
 from unirl_pl.rewards import WeightedSum
-from unirl_pl.rollout import LMRecord, Profile, RolloutConfig, RolloutEngine
+from unirl_pl.rollout import DiTRecord, LMRecord, Profile, RolloutConfig, RolloutEngine
 from unirl_pl.sampling import flow_kl
 from unirl_pl.versioning import FeatureCache, VersionLedger
 
@@ -188,7 +188,9 @@ class UniRLModule(pl.LightningModule):
         texts, record = self.engine.refine(prompts, request_ids, sample_indices, profile, self.ledger["llm"])
         return texts, record
 
-    def draw(self, texts: list[str], request_ids: list[int], sample_indices: list[int], profile: Profile):
+    def draw(
+        self, texts: list[str], request_ids: list[int], sample_indices: list[int], profile: Profile
+    ) -> tuple[Tensor, DiTRecord | None]:
         """Encode, denoise and decode: (images, DiT record or None)."""
         assert self.engine is not None
         hidden, pooled = self.encode(texts)
@@ -414,6 +416,9 @@ class UniRLModule(pl.LightningModule):
     # ------------------------------------------------------------------ evaluation
     def _serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
         n = len(batch.prompts)
+        data = self.trainer.datamodule if self._trainer is not None else None
+        if self.engine is not None and isinstance(data, PromptDataModule):
+            self.engine.seed = data.seed  # evaluation noise follows the data seed, as training's does
         refined = list(batch.prompts)
         if self.llm is not None and self.card.runs_loop(self.mode, "ar_decode"):
             refined, _ = self.refine(list(batch.prompts), batch.request_ids, [0] * n, "serve")
