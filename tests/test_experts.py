@@ -343,9 +343,7 @@ def test_text_encoder_loads_from_pipeline_folder(tmp_path: Path) -> None:
     tiny = _built(TextEncoderExpert)
     tiny.model.save_pretrained(tmp_path / "text_encoder")
     tiny.tokenizer.save_pretrained(tmp_path / "tokenizer")
-    loaded = TextEncoderExpert(
-        pretrained_path=str(tmp_path), subfolder="text_encoder", tokenizer_subfolder="tokenizer"
-    )
+    loaded = TextEncoderExpert(pretrained_path=str(tmp_path), subfolder="text_encoder", tokenizer_subfolder="tokenizer")
     assert (loaded.hidden_size, loaded.pooled_size) == (32, 32)
     loaded.build()
     assert not any(p.requires_grad for p in loaded.parameters())

@@ -41,8 +41,13 @@ def _assert_roundtrip(module, out) -> None:
     pooled = torch.randn(2, dit.pooled_projection_dim, generator=gen)
     with torch.no_grad():
         want_v = dit.velocity(x, 0.5, hidden, pooled)
-        (got_v,) = bare(hidden_states=x, encoder_hidden_states=hidden, pooled_projections=pooled,
-                        timestep=torch.full((2,), 500.0), return_dict=False)
+        (got_v,) = bare(
+            hidden_states=x,
+            encoder_hidden_states=hidden,
+            pooled_projections=pooled,
+            timestep=torch.full((2,), 500.0),
+            return_dict=False,
+        )
         with dit.adapter_disabled():
             ref_v = dit.velocity(x, 0.5, hidden, pooled)
     assert (want_v - ref_v).abs().max() > 1e-6, "training moved the DiT adapter"

@@ -51,8 +51,17 @@ def fingerprint(exp: Experience) -> str:
     """SHA-256 of everything a rollout produces: tokens, log-probs, latents, images, rewards, texts."""
     h = hashlib.sha256()
     assert exp.lm is not None and exp.dit is not None
-    for t in (exp.lm.input_ids, exp.lm.old_logp, exp.dit.prev, exp.dit.sample, exp.dit.old_logp, exp.images,
-              exp.rewards, exp.lm_advantages, exp.dit_advantages):
+    for t in (
+        exp.lm.input_ids,
+        exp.lm.old_logp,
+        exp.dit.prev,
+        exp.dit.sample,
+        exp.dit.old_logp,
+        exp.images,
+        exp.rewards,
+        exp.lm_advantages,
+        exp.dit_advantages,
+    ):
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     h.update("\x00".join(exp.refined).encode())
     return h.hexdigest()
@@ -114,6 +123,7 @@ def shared_rng_generators(monkeypatch) -> None:
 
 def position_seeded_generators(monkeypatch) -> None:
     """Fault: a sample's generator is seeded by its position in the batch, not by its request."""
+
     def by_position(seeds, device="cpu"):
         return [torch.Generator().manual_seed(i) for i in range(len(seeds))]
 
@@ -397,10 +407,21 @@ class PerturbLoRA(pl.Callback):
 
 def fit(tmp_path, callbacks: list[pl.Callback], *overrides: str):
     """Fit the default recipe for the given callbacks (first in line) and return the CLI object."""
-    cli = main(["--config", TINY, "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
-                "--trainer.enable_model_summary=false", "--trainer.enable_checkpointing=false",
-                "--trainer.limit_val_batches=0", f"--trainer.logger.init_args.save_dir={tmp_path}",
-                f"--trainer.default_root_dir={tmp_path}", *overrides], run=False)
+    cli = main(
+        [
+            "--config",
+            TINY,
+            "--trainer.callbacks=[]",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--trainer.enable_checkpointing=false",
+            "--trainer.limit_val_batches=0",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}",
+            *overrides,
+        ],
+        run=False,
+    )
     cli.trainer.callbacks[:0] = callbacks
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     return cli

@@ -42,9 +42,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert all("lora_" in k for k in saved["state_dict"]), "only adapter tensors are kept"
     assert len(saved["optimizer_states"]) == 2 and "unirl_rng" in saved
 
-    resumed = run_cli(
-        tmp_path, f"--trainer.max_steps={2 * N}", *FAST, f"--ckpt_path={ckpt}", name="resumed"
-    )
+    resumed = run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, f"--ckpt_path={ckpt}", name="resumed")
     a, b = _trainable(full), _trainable(resumed)
     assert a.keys() == b.keys() and a
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}

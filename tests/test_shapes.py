@@ -162,9 +162,7 @@ def test_heldout_phrasings_never_appear_in_train() -> None:
     for words in train_prompts:
         assert not any(_contains(words, p) for p in heldout), " ".join(words)
     # Held-out templates are never used for train, and every held-out prompt uses one.
-    templates = {
-        tuple(tokenize_words(part)) for t in P.TEMPLATES[1] for part in t.split("{x}") if part.strip(" ,")
-    }
+    templates = {tuple(tokenize_words(part)) for t in P.TEMPLATES[1] for part in t.split("{x}") if part.strip(" ,")}
     for row in make_prompt_set(300, seed=5, split="heldout"):
         assert any(_contains(tokenize_words(row["prompt"]), t) for t in templates), row
 
@@ -226,9 +224,7 @@ def _faults(spec: SceneSpec) -> dict[str, SceneSpec]:
     out: dict[str, SceneSpec] = {}
     first, rest = spec.objects[0], spec.objects[1:]
 
-    def variant(
-        name: str, obj: ObjectSpec, category: str | None = None, relation: str | None = spec.relation
-    ) -> None:
+    def variant(name: str, obj: ObjectSpec, category: str | None = None, relation: str | None = spec.relation) -> None:
         try:
             out[name] = SceneSpec((obj, *rest), relation, category or spec.category)
         except ValueError:

@@ -51,8 +51,8 @@ class ParityReport:
             n = min(len(batched), len(serial))
             first = next((j for j in range(n) if batched[j] != serial[j]), n)
             self.failures.append(
-                f"{where}: tokens differ from position {first} (batched {batched[first:first + 4].tolist()}, "
-                f"serial {serial[first:first + 4].tolist()}; lengths {len(batched)} vs {len(serial)})"
+                f"{where}: tokens differ from position {first} (batched {batched[first : first + 4].tolist()}, "
+                f"serial {serial[first : first + 4].tolist()}; lengths {len(batched)} vs {len(serial)})"
             )
 
     def values(self, where: str, key: str, batched: Tensor, serial: Tensor, tolerance: float) -> None:

@@ -88,8 +88,7 @@ class CausalLMExpert(torch.nn.Module):
             raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
         if hidden_size % num_attention_heads:
             raise ValueError(
-                f"hidden_size ({hidden_size}) must be divisible by "
-                f"num_attention_heads ({num_attention_heads})"
+                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
             )
         if num_attention_heads % num_key_value_heads:
             raise ValueError(
@@ -146,9 +145,7 @@ class CausalLMExpert(torch.nn.Module):
             )
             with warnings.catch_warnings():
                 # peft still calls a transformers helper that transformers 5 deprecated; not actionable here.
-                warnings.filterwarnings(
-                    "ignore", message=".*is_gradient_checkpointing", category=FutureWarning
-                )
+                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
                 model = get_peft_model(base, lora)
         params = inspect.signature(base.forward).parameters
         self._cache_arg_name = "cache" if "cache" in params else "past_key_values"

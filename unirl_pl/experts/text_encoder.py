@@ -67,8 +67,7 @@ class TextEncoderExpert(torch.nn.Module):
             raise ValueError(f"max_length must be >= 2 (a token and end-of-text), got {max_length}")
         if hidden_size % num_attention_heads:
             raise ValueError(
-                f"hidden_size ({hidden_size}) must be divisible by "
-                f"num_attention_heads ({num_attention_heads})"
+                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
             )
         self.pretrained_path = pretrained_path
         self.subfolder = subfolder
@@ -116,9 +115,7 @@ class TextEncoderExpert(torch.nn.Module):
         else:
             tokenizer = load_tokenizer(self.pretrained_path, self.tokenizer_subfolder or self.subfolder)
             kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
-            model = CLIPTextModelWithProjection.from_pretrained(
-                self.pretrained_path, dtype=self.dtype, **kwargs
-            )
+            model = CLIPTextModelWithProjection.from_pretrained(self.pretrained_path, dtype=self.dtype, **kwargs)
         limit = model.config.max_position_embeddings
         if self.max_length > limit:
             raise ValueError(f"max_length ({self.max_length}) exceeds the text model's {limit} positions")

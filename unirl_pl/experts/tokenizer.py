@@ -44,15 +44,11 @@ _PUNCTUATION = ", . :"
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 DEFAULT_WORDS: tuple[str, ...] = tuple(
-    dict.fromkeys(
-        " ".join((_COLORS, _SHAPES, _SHAPE_PLURALS, _COUNTS, _POSITIONS, _FILLER, _PUNCTUATION)).split()
-    )
+    dict.fromkeys(" ".join((_COLORS, _SHAPES, _SHAPE_PLURALS, _COUNTS, _POSITIONS, _FILLER, _PUNCTUATION)).split())
 )
 
 
-def build_word_tokenizer(
-    words: Sequence[str] = DEFAULT_WORDS, padding_side: str = "left"
-) -> PreTrainedTokenizerFast:
+def build_word_tokenizer(words: Sequence[str] = DEFAULT_WORDS, padding_side: str = "left") -> PreTrainedTokenizerFast:
     """Build a word-level ``transformers`` fast tokenizer over ``words``, fully offline.
 
     Ids 0-3 are ``<pad>``, ``<eos>``, ``<unk>``, ``<bos>``; the words follow in order (duplicates are

@@ -250,9 +250,7 @@ def make_prompt_set(n: int, seed: int, split: str) -> list[dict[str, str]]:
     rows = []
     for i in range(n):
         spec = sample_scene(rng, CATEGORIES[i % len(CATEGORIES)])
-        rows.append(
-            {"prompt": paraphrase(spec, rng, split), "caption": caption(spec), "category": spec.category}
-        )
+        rows.append({"prompt": paraphrase(spec, rng, split), "caption": caption(spec), "category": spec.category})
     return rows
 
 

@@ -80,9 +80,7 @@ class SceneSpec:
     def __post_init__(self) -> None:
         problem = _category_problem(self)
         if problem is not None:
-            raise ValueError(
-                f"invalid {self.category} scene {self.objects!r} relation={self.relation!r}: {problem}"
-            )
+            raise ValueError(f"invalid {self.category} scene {self.objects!r} relation={self.relation!r}: {problem}")
 
 
 def _category_problem(spec: SceneSpec) -> str | None:
@@ -190,9 +188,7 @@ def parse_caption(text: str) -> SceneSpec:
                 break
         else:
             if words[i] != "and":
-                raise ValueError(
-                    f"cannot parse caption {text!r}: expected 'and' or a relation at {words[i]!r}"
-                )
+                raise ValueError(f"cannot parse caption {text!r}: expected 'and' or a relation at {words[i]!r}")
             i += 1
         second, i = _parse_object(words, i, text)
         if i != len(words):
@@ -276,11 +272,7 @@ def all_specs(category: str | None = None) -> tuple[SceneSpec, ...]:
                 if a.color != b.color and a.shape != b.shape
             ]
         elif cat == "position":
-            specs += [
-                SceneSpec((a, b), rel, cat)
-                for rel in RELATIONS
-                for a, b in itertools.permutations(colored, 2)
-            ]
+            specs += [SceneSpec((a, b), rel, cat) for rel in RELATIONS for a, b in itertools.permutations(colored, 2)]
         else:
             raise ValueError(f"unknown category {cat!r}; expected one of {CATEGORIES}")
     return tuple(specs)

@@ -233,9 +233,7 @@ def check(spec: SceneSpec, detections: list[Detection], image_size: tuple[int, i
     return constraints
 
 
-def verify(
-    spec: SceneSpec, image: np.ndarray, tol: float = DEFAULT_TOL, min_area: int | None = None
-) -> Verdict:
+def verify(spec: SceneSpec, image: np.ndarray, tol: float = DEFAULT_TOL, min_area: int | None = None) -> Verdict:
     """Check one image (uint8 or float [0, 1], HWC or CHW) against a scene spec.
 
     Returns a Verdict whose ``strict`` is True only when every constraint holds and whose ``soft`` is
