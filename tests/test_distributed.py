@@ -85,11 +85,15 @@ def test_single_step_moves_the_adapters(single):
 
 
 @pytest.mark.parametrize(
-    "name, overlay",
-    [("ddp", "ddp.yaml"), ("fsdp2", "fsdp.yaml")],
+    "name, overlay, extra",
+    [
+        ("ddp", "ddp.yaml", []),
+        ("fsdp2", "fsdp.yaml", []),
+        ("fsdp2-keep-gathered", "fsdp.yaml", ["--model.init_args.reshard_after_forward=false"]),
+    ],
 )
-def test_two_ranks_match_one_process(tmp_path, single, name, overlay):
-    multi = _fit(tmp_path, name, "--config", str(ROOT / "recipes" / overlay))
+def test_two_ranks_match_one_process(tmp_path, single, name, overlay, extra):
+    multi = _fit(tmp_path, name, "--config", str(ROOT / "recipes" / overlay), *extra)
     diff = _max_diff(single, multi)
     print(f"{name} parity max abs diff: {diff:.3e}")
     assert diff <= 1e-6, f"{name}: 2-rank update differs from 1-process update by {diff:.3e}"
