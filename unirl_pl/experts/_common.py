@@ -33,6 +33,13 @@ def check_positive(**values: int | float) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
+def check_divisible(**values: int) -> None:
+    """Raise ``ValueError`` unless the first named value is divisible by the second (e.g. width by heads)."""
+    (big_name, big), (small_name, small) = values.items()
+    if big % small:
+        raise ValueError(f"{big_name} ({big}) must be divisible by {small_name} ({small})")
+
+
 @contextmanager
 def seeded_cpu_init(seed: int) -> Iterator[None]:
     """Build modules on CPU in float32 from a fixed seed without disturbing any global state.

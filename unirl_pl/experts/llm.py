@@ -19,6 +19,7 @@ from transformers import (
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from unirl_pl.experts._common import (
+    check_divisible,
     check_positive,
     preserved_requires_grad,
     resolve_dtype,
@@ -86,15 +87,8 @@ class CausalLMExpert(torch.nn.Module):
         )
         if lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
-            )
-        if num_attention_heads % num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({num_attention_heads}) must be divisible by "
-                f"num_key_value_heads ({num_key_value_heads})"
-            )
+        check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        check_divisible(num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         if lora_target_modules is not None and not lora_target_modules:
             raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
         self.pretrained_path = pretrained_path

@@ -9,7 +9,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
+from unirl_pl.experts._common import check_divisible, check_positive, freeze, resolve_dtype, seeded_cpu_init
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
 
 
@@ -65,10 +65,7 @@ class TextEncoderExpert(torch.nn.Module):
         )
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (a token and end-of-text), got {max_length}")
-        if hidden_size % num_attention_heads:
-            raise ValueError(
-                f"hidden_size ({hidden_size}) must be divisible by num_attention_heads ({num_attention_heads})"
-            )
+        check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
         self.pretrained_path = pretrained_path
         self.subfolder = subfolder
         self.tokenizer_subfolder = tokenizer_subfolder
