@@ -77,7 +77,8 @@ def _flow_loss(module: FlowMatchingPretrain, batch: dict) -> float:
         return torch.nn.functional.mse_loss(module.transformer.velocity(x_s, sigma, hidden, pooled), target).item()
 
 
-def test_flow_pretrain_lowers_loss_and_exports_loadable_folders(tmp_path: Path) -> None:
+@pytest.mark.parametrize("train_text_encoder", [False, True])
+def test_flow_pretrain_lowers_loss_and_exports_loadable_folders(tmp_path: Path, train_text_encoder: bool) -> None:
     dit = FlowTransformerExpert(
         sample_size=32,
         patch_size=8,
@@ -89,13 +90,18 @@ def test_flow_pretrain_lowers_loss_and_exports_loadable_folders(tmp_path: Path) 
         caption_projection_dim=32,
         pooled_projection_dim=32,
     )
-    module = FlowMatchingPretrain(dit, TextEncoderExpert(), lr=3e-3, warmup_steps=1, caption_dropout=0.0)
+    module = FlowMatchingPretrain(
+        dit, TextEncoderExpert(), lr=3e-3, warmup_steps=1, caption_dropout=0.0, train_text_encoder=train_text_encoder
+    )
     module.configure_model()
+    text_before = {k: v.clone() for k, v in module.text_encoder.model.state_dict().items()}
     batch = scene_batch(seed=0, step=0, batch_size=8)
     before = _flow_loss(module, batch)
     _trainer(25).fit(module, datamodule=_Repeat(batch))
     after = _flow_loss(module, batch)
     assert after < 0.7 * before, (before, after)
+    text_moved = max((v - text_before[k]).abs().max().item() for k, v in module.text_encoder.model.state_dict().items())
+    assert (text_moved > 1e-4) if train_text_encoder else (text_moved == 0), text_moved
 
     module.export(tmp_path)
     loaded = FlowTransformerExpert(pretrained_path=str(tmp_path), subfolder="transformer")

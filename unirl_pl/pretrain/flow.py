@@ -33,13 +33,14 @@ class FlowMatchingPretrain(pl.LightningModule):
     """Supervised rectified-flow training of the full DiT in pixel space, conditioned on captions.
 
     The DiT is the tiny ``SD3Transformer2DModel`` that ``transformer`` describes (``in_channels`` 3:
-    pixels in [-1, 1]) with every weight trained, no LoRA; the text encoder is frozen and its features
-    are cached per caption. Sigmas are drawn logit-normal (SD3), which spends the steps on the middle
-    noise levels where layout and color are decided. A fraction of captions is replaced by the empty
-    prompt so classifier-free guidance is available later. Validation samples held-out prompts with
-    the rollout engine's deterministic ``serve`` profile (the RL serve path) and logs the verifier's
-    strict and soft scores per category. At fit end both models are saved with ``save_pretrained``
-    under ``export_dir`` (``transformer/`` and ``text_encoder/`` with its tokenizer).
+    pixels in [-1, 1]) with every weight trained, no LoRA; by default the text encoder is frozen and its
+    features are cached per caption (``train_text_encoder`` trains it jointly instead). Sigmas are
+    drawn logit-normal (SD3), which spends the steps on the middle noise levels where layout and color
+    are decided. A fraction of captions is replaced by the empty prompt so classifier-free guidance is
+    available later. Validation samples held-out prompts with the rollout engine's deterministic
+    ``serve`` profile (the RL serve path) and logs the verifier's strict and soft scores per category.
+    At fit end both models are saved with ``save_pretrained`` under ``export_dir`` (``transformer/``
+    and ``text_encoder/`` with its tokenizer).
 
     Args:
         transformer: Describes the DiT (only its tiny-model fields are used; LoRA fields are ignored).
@@ -54,6 +55,10 @@ class FlowMatchingPretrain(pl.LightningModule):
         num_threads: Torch intra-op threads for this process (None: torch's default). On a CPU shared
             with other jobs, 1 thread avoids OpenMP spin-waiting and ran 4x faster than 2 here.
         export_dir: Folder to write the pretrained models to at fit end (None: no export).
+        train_text_encoder: Also train every weight of the text encoder under the flow-matching loss
+            (same optimizer and lr; features are then recomputed each step, not cached). The tokenizer
+            is unchanged, so the refiner's vocabulary still matches; the exported encoder is loaded
+            frozen by RL runs as before.
     """
 
     def __init__(
@@ -69,6 +74,7 @@ class FlowMatchingPretrain(pl.LightningModule):
         val_num_steps: int = 10,
         num_threads: int | None = None,
         export_dir: str | None = None,
+        train_text_encoder: bool = False,
     ) -> None:
         super().__init__()
         if num_threads is not None:
@@ -86,6 +92,7 @@ class FlowMatchingPretrain(pl.LightningModule):
         self.caption_dropout, self.grad_clip = caption_dropout, grad_clip
         self.val_num_steps = val_num_steps
         self.export_dir = export_dir
+        self.train_text_encoder = train_text_encoder
         self._features: dict[str, tuple[Tensor, Tensor]] = {}
         self.scorer = ShapesGenEval()
 
@@ -93,12 +100,19 @@ class FlowMatchingPretrain(pl.LightningModule):
         if self.transformer.model is not None:
             return
         build_text_encoder(self.text_encoder)
+        if self.train_text_encoder:
+            self.text_encoder.model.requires_grad_(True)
         with seeded_cpu_init(self.transformer.init_seed):
             # Assigned to the expert so ``velocity`` (the RL path) is exactly what is trained here.
             self.transformer.model = SD3Transformer2DModel(**self.transformer.tiny_config())
 
     def encode(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        """Frozen text features (hidden, pooled) for ``texts``, each distinct text encoded once."""
+        """Text features (hidden, pooled) for ``texts``: cached per distinct text when the encoder is
+        frozen, recomputed (with gradients when enabled) when ``train_text_encoder``."""
+        if self.train_text_encoder:
+            # Same tokenization and forward as ``TextEncoderExpert.encode``, minus its ``no_grad``.
+            output = self.text_encoder.model(input_ids=self.text_encoder.tokenize(texts).to(self.device))
+            return output.last_hidden_state, output.text_embeds
         missing = sorted({t for t in texts if t not in self._features})
         if missing:
             hidden, pooled = self.text_encoder.encode(missing)
@@ -126,7 +140,10 @@ class FlowMatchingPretrain(pl.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
 
     def configure_optimizers(self) -> dict[str, Any]:
-        opt = torch.optim.AdamW(self.transformer.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        params = list(self.transformer.parameters())
+        if self.train_text_encoder:
+            params += list(self.text_encoder.model.parameters())
+        opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000
         sched = warmup_cosine(opt, self.warmup_steps, total, self.lr_floor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
