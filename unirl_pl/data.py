@@ -71,10 +71,20 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
 
 @dataclass
 class PromptBatch:
-    """P prompts of one step on this rank, with their global request ids (seed the samples' randomness)."""
+    """P prompts of one step on this rank, with their global request ids (seed the samples' randomness).
+
+    ``num_real`` counts the leading prompts that are real; the rest pad an evaluation shard so every rank
+    runs the same number of batches (None: all are real).
+    """
 
     prompts: list[str]
     request_ids: list[int]
+    num_real: int | None = None
+
+    @property
+    def real(self) -> int:
+        """How many leading prompts are real (not shard padding)."""
+        return len(self.prompts) if self.num_real is None else self.num_real
 
 
 class _PromptStream(IterableDataset):
@@ -106,16 +116,27 @@ class _PromptStream(IterableDataset):
 
 
 class _FixedPrompts(torch.utils.data.Dataset):
-    def __init__(self, prompts: list[str], per_batch: int) -> None:
+    """Rank ``rank``'s strided share of a fixed prompt list, padded to ``ceil(len / world)`` prompts.
+
+    Every rank gets the same number of batches of the same sizes (sharded experts run collectives in
+    every forward, so ranks must run equally many); padding repeats a real prompt and is marked by
+    ``PromptBatch.num_real`` so it is never scored or written.
+    """
+
+    def __init__(self, prompts: list[str], per_batch: int, rank: int = 0, world: int = 1) -> None:
+        self.ids = list(range(rank, len(prompts), world))
+        self.length = -(-len(prompts) // world)
         self.prompts, self.per_batch = prompts, per_batch
 
     def __len__(self) -> int:
-        return (len(self.prompts) + self.per_batch - 1) // self.per_batch
+        return (self.length + self.per_batch - 1) // self.per_batch
 
     def __getitem__(self, i: int) -> PromptBatch:
-        idx = list(range(i * self.per_batch, min((i + 1) * self.per_batch, len(self.prompts))))
+        positions = range(i * self.per_batch, min((i + 1) * self.per_batch, self.length))
+        ids = [self.ids[p] if p < len(self.ids) else self.ids[0] if self.ids else 0 for p in positions]
+        real = sum(p < len(self.ids) for p in positions)
         # Negative request ids keep evaluation randomness apart from training's.
-        return PromptBatch([self.prompts[j] for j in idx], [-1 - j for j in idx])
+        return PromptBatch([self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real)
 
 
 def _identity(batch: list[PromptBatch]) -> PromptBatch:
@@ -200,6 +221,8 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError("advantage_scheme 'hierarchical' groups the DiT by refinement: images_per_refinement >= 2")
         if advantage_scheme not in ("shared", "hierarchical"):
             raise ValueError(f"advantage_scheme must be 'shared' or 'hierarchical', got {advantage_scheme!r}")
+        if val_batch_size < 1:
+            raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
         if adv_clip_max <= 0:
             raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
         self.train_prompts = load_prompts(prompts)
@@ -233,8 +256,7 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _fixed(self, prompts: list[str]) -> DataLoader:
         rank, world = self._world()
-        shard = prompts[rank::world]
-        return DataLoader(_FixedPrompts(shard, self.val_batch_size), batch_size=1, collate_fn=_identity)
+        return DataLoader(_FixedPrompts(prompts, self.val_batch_size, rank, world), batch_size=1, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:
         return self._fixed(self.val_prompt_list)

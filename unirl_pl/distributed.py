@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 
@@ -48,3 +49,18 @@ def token_loss_weight(mask: Tensor, strategy: Any) -> float:
     local = mask.sum().to(torch.float64)
     total = strategy.reduce(local.clone(), reduce_op="sum")
     return float(world * local / total.clamp_min(1))
+
+
+def agree_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest ``value`` over all ranks (``value`` itself without a process group).
+
+    Loops whose trip count depends on data (the refiner's decode stops when its sequences end, a batch of
+    requests runs as many steps as its longest schedule) must run the same number of iterations on every
+    rank: under FSDP2 each iteration's forward all-gathers the sharded weights, and ranks that disagree
+    on the count deadlock or abort in the collective.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    flag = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -376,7 +376,8 @@ class UniRLModule(pl.LightningModule):
             weights = {n: token_loss_weight(exp.lm.gen_mask, self._strategy()) if n == "llm" else 1.0 for n in outputs}
             self.manual_backward(sum(weights[n] * o.loss for n, o in outputs.items()))
             for i, name in enumerate(outputs):
-                grad_norm = self._step(name, opts[name], first=i == 0)
+                # Lightning counts each LightningOptimizer.step() as a global step: exactly one per RL step.
+                grad_norm = self._step(name, opts[name], first=epoch == 0 and i == 0)
                 if epoch == 0:
                     metrics.update(self._loss_metrics(name, outputs[name], grad_norm))
         metrics.update(self._rollout_metrics(exp, staleness))
@@ -427,22 +428,30 @@ class UniRLModule(pl.LightningModule):
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
         refined, images = self._serve(batch)
-        total, parts = self.reward_fn(batch.prompts, refined, images)
-        n = len(batch.prompts)
-        self.log("val/reward_mean", total.mean(), batch_size=n, sync_dist=True, prog_bar=True)
-        for name, values in parts.items():
-            self.log(f"val/reward_{name}", values.mean(), batch_size=n, sync_dist=True)
+        # Shard padding ran (so every rank made the same forwards) but is not scored.
+        n = batch.real
+        prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
+        # A batch of padding only still logs (weight 0): every rank must log the same keys to sync them.
+        means = {name: torch.zeros(()) for name in ["mean", *self.reward_fn.terms]}
+        if n:
+            total, parts = self.reward_fn(prompts, refined, images)
+            means = {"mean": total.mean()} | {name: values.mean() for name, values in parts.items()}
+        for name, value in means.items():
+            self.log(f"val/reward_{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "mean")
+        for name in self.reward_fn.terms:
             breakdown = getattr(self.reward_fn.terms[name], "breakdown", None)
-            if breakdown is not None:
+            if breakdown is not None and n:
                 # Weighted by each key's count, so the epoch mean is exact however batches mix
                 # categories. Keys differ between ranks, so no sync: under DDP this is rank 0's shard.
-                for key, (mean, count) in breakdown(batch.prompts, images).items():
+                for key, (mean, count) in breakdown(prompts, images).items():
                     self.log(f"val/{name}/{key}", mean, batch_size=count, sync_dist=False)
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
         refined, images = self._serve(batch)
-        total, _ = self.reward_fn(batch.prompts, refined, images)
-        return {"prompts": batch.prompts, "refined": refined, "images": images, "rewards": total.tolist()}
+        n = batch.real
+        prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
+        total, _ = self.reward_fn(prompts, refined, images)
+        return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
 
+from unirl_pl.distributed import agree_max
 from unirl_pl.sampling import flow_sde_step_with_logprob, flow_sigmas, ode_step
 
 Profile = Literal["serve", "rollout", "train"]
@@ -212,7 +213,7 @@ class RolloutEngine:
         next_pos = _positions(mask)[:, -1:] + 1
         finished = torch.zeros(n, dtype=torch.bool, device=device)
         tokens, logps, live = [], [], []
-        for _ in range(cfg.max_new_tokens):
+        for step in range(cfg.max_new_tokens):
             logits = process_logits(out.logits[:, -1], temperature, top_k)
             logp_all = torch.log_softmax(logits, dim=-1)
             if greedy:
@@ -227,7 +228,8 @@ class RolloutEngine:
             tokens.append(tok_t)
             finished = finished | (tok_t == eos)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            if bool(finished.all()):
+            # Stop only when every rank's sequences have ended: sharded forwards must stay in step.
+            if step == cfg.max_new_tokens - 1 or not agree_max(int(not bool(finished.all())), device):
                 break
             out = self.llm(
                 input_ids=tok_t[:, None],
@@ -314,8 +316,12 @@ class RolloutEngine:
             x = torch.stack([torch.randn(self.transformer.latent_shape, generator=g) for g in gens]).to(device)
             sig, counts = table[a:b], steps[a:b]
             c_prev, c_sample, c_logp = [], [], []
-            for i in range(max(counts)):
+            for i in range(agree_max(max(counts), device)):
                 live = [j for j, c in enumerate(counts) if i < c]
+                if not live:
+                    # Another rank still has steps to run: a discarded forward keeps the sharded all-gathers paired.
+                    self._velocity(x[:1], sig[:1, 0], hidden[a : a + 1], pooled[a : a + 1], uncond)
+                    continue
                 # Index only when a sample has finished: the common all-live case keeps the tensors as they are.
                 rows = None if len(live) == b - a else torch.tensor(live, device=device)
                 s, s_next = sig[live, i], sig[live, i + 1]
