@@ -74,6 +74,17 @@ class Card:
                 names += [c for c in self.loops.get(loop, []) if self.components[c] == "expert"]
         return list(dict.fromkeys(names))
 
+    def loops_of(self, component: str) -> list[str]:
+        """The loops whose weights include ``component``, in the fixed loop order."""
+        return [loop for loop in LOOPS if component in self.loops.get(loop, [])]
+
+    def owner(self, loop: str) -> str:
+        """The expert a loop trains (its first bound expert component); its version stamps the loop's records."""
+        experts = [c for c in self.loops[loop] if self.components[c] == "expert"]
+        if not experts:
+            raise CardError(f"loop {loop!r} binds no expert component")
+        return experts[0]
+
     def runs_loop(self, mode: str, loop: str) -> bool:
         """Whether ``mode`` runs ``loop`` at all (``generator_only`` never runs ``ar_decode``)."""
         return loop in _MODE_LOOPS[mode][0]

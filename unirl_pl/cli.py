@@ -50,6 +50,8 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # The module builds each experience from the prompt batch in its on_after_batch_transfer, by design.
+    warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_transfer` in `LightningModule`")
     return UniRLCLI(
         pl.LightningModule,
         pl.LightningDataModule,

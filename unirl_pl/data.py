@@ -1,25 +1,24 @@
-"""Prompt sources, the DataModule, and the experience source that turns prompts into a training batch.
+"""Prompt sources and the DataModule: which prompts each step, validation and prediction see.
 
 The DataModule yields :class:`PromptBatch` es: P prompts per step, sharded by rank, in an order
-that is a pure function of (seed, step). During ``fit`` its ``on_after_batch_transfer`` hands each
-batch to the experience source, which runs the rollout on the module's experts and returns an
-:class:`Experience`; ``training_step`` and the gates see that experience.
+that is a pure function of (seed, step). During ``fit`` the LightningModule hands each batch to its
+experience source (:mod:`unirl_pl.method.experience`), which runs the rollout and returns an
+:class:`~unirl_pl.records.Experience`; ``training_step`` and the gates see that experience.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 
-from unirl_pl.rollout import DiTRecord, LMRecord
+from unirl_pl.method.advantages import GroupLayout
 
 DEFAULT_PROMPTS = (
     "a red circle",
@@ -74,12 +73,15 @@ class PromptBatch:
     """P prompts of one step on this rank, with their global request ids (seed the samples' randomness).
 
     ``num_real`` counts the leading prompts that are real; the rest pad an evaluation shard so every rank
-    runs the same number of batches (None: all are real).
+    runs the same number of batches (None: all are real). ``seed`` seeds every sample's randomness with
+    the request ids; ``layout`` says how many samples each prompt gets.
     """
 
     prompts: list[str]
     request_ids: list[int]
     num_real: int | None = None
+    seed: int = 0
+    layout: GroupLayout = field(default_factory=GroupLayout)
 
     @property
     def real(self) -> int:
@@ -95,8 +97,10 @@ class _PromptStream(IterableDataset):
     single process would see, and ``start_step`` resumes at an exact position.
     """
 
-    def __init__(self, prompts: list[str], per_step: int, seed: int, rank: int, world: int, start_step: int) -> None:
-        self.prompts, self.per_step, self.seed = prompts, per_step, seed
+    def __init__(
+        self, prompts: list[str], per_step: int, seed: int, rank: int, world: int, start_step: int, layout: GroupLayout
+    ) -> None:
+        self.prompts, self.per_step, self.seed, self.layout = prompts, per_step, seed, layout
         self.rank, self.world, self.start_step = rank, world, start_step
 
     def _item(self, position: int) -> int:
@@ -111,7 +115,7 @@ class _PromptStream(IterableDataset):
         while True:
             first = step * self.per_step + self.rank * local
             positions = list(range(first, first + local))
-            yield PromptBatch([self.prompts[self._item(p)] for p in positions], positions)
+            yield PromptBatch([self.prompts[self._item(p)] for p in positions], positions, None, self.seed, self.layout)
             step += 1
 
 
@@ -123,10 +127,10 @@ class _FixedPrompts(torch.utils.data.Dataset):
     ``PromptBatch.num_real`` so it is never scored or written.
     """
 
-    def __init__(self, prompts: list[str], per_batch: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(self, prompts: list[str], per_batch: int, rank: int, world: int, seed: int) -> None:
         self.ids = list(range(rank, len(prompts), world))
         self.length = -(-len(prompts) // world)
-        self.prompts, self.per_batch = prompts, per_batch
+        self.prompts, self.per_batch, self.seed = prompts, per_batch, seed
 
     def __len__(self) -> int:
         return (self.length + self.per_batch - 1) // self.per_batch
@@ -136,40 +140,18 @@ class _FixedPrompts(torch.utils.data.Dataset):
         ids = [self.ids[p] if p < len(self.ids) else self.ids[0] if self.ids else 0 for p in positions]
         real = sum(p < len(self.ids) for p in positions)
         # Negative request ids keep evaluation randomness apart from training's.
-        return PromptBatch([self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real)
+        return PromptBatch([self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real, seed=self.seed)
 
 
 def _identity(batch: list[PromptBatch]) -> PromptBatch:
     return batch[0]
 
 
-@dataclass
-class Experience:
-    """One training batch after rollout.
-
-    Per image sample (N = P * K * M on this rank): ``prompts``, ``refined``, ``text_index`` (which
-    text sample, of P*K, the image renders), ``rewards`` and ``dit_advantages``. Per text sample:
-    ``text_rewards`` (mean of its images) and ``lm_advantages``. ``lm``/``dit`` are the behavior
-    records (None when that loop did not run or is frozen). ``reward_terms`` holds each weighted
-    reward's raw mean for logging.
-    """
-
-    prompts: list[str]
-    refined: list[str]
-    text_index: Tensor
-    rewards: Tensor
-    text_rewards: Tensor
-    lm_advantages: Tensor
-    dit_advantages: Tensor
-    lm: LMRecord | None
-    dit: DiTRecord | None
-    reward_terms: dict[str, float]
-    zero_std_frac: float
-    images: Tensor | None = None
-
-
 class PromptDataModule(pl.LightningDataModule):
     """Prompts for training, validation and prediction, and how many samples each prompt gets.
+
+    It yields :class:`PromptBatch` es and never calls a model: the LightningModule turns each training
+    batch into an experience (its ``on_after_batch_transfer``).
 
     Args:
         prompts: Training prompts: a ``.txt``/``.jsonl`` path, an inline list, or null for the embedded set.
@@ -179,11 +161,6 @@ class PromptDataModule(pl.LightningDataModule):
         samples_per_prompt: K, text samples per prompt; the group size of the LM's advantage (>= 2).
         num_skip_refinement: Of each prompt's K samples, how many keep the original prompt unrefined.
         images_per_refinement: M, images rendered per text sample (M > 1 with the hierarchical scheme).
-        advantage_scheme: ``shared``: one advantage per sample, grouped by prompt, feeds both experts
-            (PromptRL). ``hierarchical``: the LM's advantage is grouped by prompt over the mean image
-            reward of each refinement, the DiT's is grouped by refinement over its M images.
-        global_std: Normalize advantages by the whole batch's reward std instead of each group's.
-        adv_clip_max: Clip advantages to ``[-adv_clip_max, adv_clip_max]``.
         val_batch_size: Prompts per validation / prediction batch.
         seed: Seed of the prompt order and of every sample's randomness.
     """
@@ -197,46 +174,21 @@ class PromptDataModule(pl.LightningDataModule):
         samples_per_prompt: int = 4,
         num_skip_refinement: int = 1,
         images_per_refinement: int = 1,
-        advantage_scheme: Literal["shared", "hierarchical"] = "shared",
-        global_std: bool = False,
-        adv_clip_max: float = 5.0,
         val_batch_size: int = 8,
         seed: int = 0,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if samples_per_prompt < 2:
-            raise ValueError(
-                f"samples_per_prompt must be >= 2 (a group of one has no relative advantage), got {samples_per_prompt}"
-            )
-        if not 0 <= num_skip_refinement < samples_per_prompt:
-            raise ValueError(
-                f"num_skip_refinement must be in [0, samples_per_prompt={samples_per_prompt}), "
-                f"got {num_skip_refinement}: at least one sample per prompt must be refined"
-            )
-        if images_per_refinement < 1:
-            raise ValueError(f"images_per_refinement must be >= 1, got {images_per_refinement}")
-        if advantage_scheme == "hierarchical" and images_per_refinement < 2:
-            raise ValueError("advantage_scheme 'hierarchical' groups the DiT by refinement: images_per_refinement >= 2")
-        if advantage_scheme not in ("shared", "hierarchical"):
-            raise ValueError(f"advantage_scheme must be 'shared' or 'hierarchical', got {advantage_scheme!r}")
         if val_batch_size < 1:
             raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
-        if adv_clip_max <= 0:
-            raise ValueError(f"adv_clip_max must be > 0, got {adv_clip_max}")
+        self.layout = GroupLayout(samples_per_prompt, num_skip_refinement, images_per_refinement)
         self.train_prompts = load_prompts(prompts)
         self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)
         self.predict_prompt_list = (
             load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
         )
         self.prompts_per_step = prompts_per_step
-        self.samples_per_prompt = samples_per_prompt
-        self.num_skip_refinement = num_skip_refinement
-        self.images_per_refinement = images_per_refinement
-        self.advantage_scheme = advantage_scheme
-        self.global_std = global_std
-        self.adv_clip_max = adv_clip_max
         self.val_batch_size = val_batch_size
         self.seed = seed
 
@@ -250,13 +202,15 @@ class PromptDataModule(pl.LightningDataModule):
         rank, world = self._world()
         if self.prompts_per_step % world:
             raise ValueError(f"prompts_per_step={self.prompts_per_step} must be divisible by the world size {world}")
+        # The stream resumes at the RL step the trainer is at (one global step per RL step).
         start = self.trainer.global_step if self.trainer is not None else 0
-        stream = _PromptStream(self.train_prompts, self.prompts_per_step, self.seed, rank, world, start)
+        stream = _PromptStream(self.train_prompts, self.prompts_per_step, self.seed, rank, world, start, self.layout)
         return DataLoader(stream, batch_size=None)
 
     def _fixed(self, prompts: list[str]) -> DataLoader:
         rank, world = self._world()
-        return DataLoader(_FixedPrompts(prompts, self.val_batch_size, rank, world), batch_size=1, collate_fn=_identity)
+        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, self.seed)
+        return DataLoader(shard, batch_size=1, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:
         return self._fixed(self.val_prompt_list)
@@ -266,10 +220,4 @@ class PromptDataModule(pl.LightningDataModule):
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Prompt batches are strings; the experience is built on the right device by the rollout.
-        return batch
-
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        trainer = self.trainer
-        if trainer is not None and trainer.training and isinstance(batch, PromptBatch):
-            return trainer.lightning_module.collect_experience(batch, self)
         return batch

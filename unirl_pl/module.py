@@ -1,13 +1,15 @@
-"""The LightningModule: builds the experts from the card, runs rollout, computes the losses, steps optimizers.
+"""The LightningModule: Lightning hooks that tie the card's experts, loops and method together.
 
-Orchestration only: sampling math is in :mod:`unirl_pl.sampling`, loss math in :mod:`unirl_pl.losses`,
-the loops in :mod:`unirl_pl.rollout`.
+Where each step goes: the experience source (:mod:`unirl_pl.method.experience`) runs rollout from
+``on_after_batch_transfer``; ``training_step`` scores each trained component's records under the
+current weights (:mod:`unirl_pl.method.grpo`), backpropagates and steps that expert's optimizer. The
+loops are :mod:`unirl_pl.loops`, the conditioning :mod:`unirl_pl.conditioning`, the math
+:mod:`unirl_pl.losses` and :mod:`unirl_pl.sampling`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -19,29 +21,22 @@ from torch.distributed.tensor import DTensor
 
 from unirl_pl.card import Card
 from unirl_pl.checkpoint import TRIMMED_KEY, refill_trimmed, rng_states, set_rng_states, trim_frozen
-from unirl_pl.data import Experience, PromptBatch, PromptDataModule
+from unirl_pl.conditioning import Conditioner
+from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import shard_experts, token_loss_weight
-from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert, VAEExpert
-from unirl_pl.losses import LossOutput, flow_grpo_loss, group_advantages, grpo_token_loss, zero_std_fraction
-from unirl_pl.rewards import WeightedSum
-from unirl_pl.rollout import DiTRecord, LMRecord, Profile, RolloutConfig, RolloutEngine
-from unirl_pl.sampling import flow_kl
-from unirl_pl.versioning import FeatureCache, VersionLedger
+from unirl_pl.experts import CausalLMExpert
+from unirl_pl.generators import ComponentGenerator, FlowGenerator
+from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
+from unirl_pl.losses import LossOutput
+from unirl_pl.method import AdvantageConfig, ExpertLoss, dit_loss, lm_loss
+from unirl_pl.method.experience import ExperienceSource
+from unirl_pl.metrics import loss_metrics, rollout_metrics
+from unirl_pl.records import Experience
+from unirl_pl.rewards import WeightedSum, registered_rewards
+from unirl_pl.versioning import VersionLedger
 
-
-@dataclass(frozen=True)
-class ExpertLoss:
-    """Per-expert policy-loss settings.
-
-    Args:
-        clip_eps: PPO ratio clip range ``[1-eps, 1+eps]`` (GRPO uses ~0.2, Flow-GRPO ~1e-4).
-        beta: Weight of the KL to the adapter-disabled reference policy (0 skips the reference forward).
-        grad_clip: Clip this expert's gradient norm to this value (None: no clipping, norm still logged).
-    """
-
-    clip_eps: float = 0.2
-    beta: float = 0.01
-    grad_clip: float | None = 1.0
+# Each loop's policy loss and its expert's reference context.
+_LOSSES: dict[str, Callable[..., LossOutput]] = {"ar_decode": lm_loss, "diffusion_denoise": dit_loss}
 
 
 def _default_llm_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -53,24 +48,27 @@ def _default_dit_optimizer(params: Any) -> torch.optim.Optimizer:
 
 
 class UniRLModule(pl.LightningModule):
-    """Joint GRPO of a prompt-refiner LM and a flow-matching DiT from one reward.
+    """Joint GRPO of a prompt-refiner LM and a flow-matching generator from one reward.
 
     Args:
-        transformer: The flow DiT expert (trained with Flow-GRPO unless ``mode`` freezes it).
-        text_encoder: Frozen text encoder giving the DiT its conditioning.
+        generator: The flow generator: the project's configured parts (``ComponentGenerator``) or a
+            family loaded from a diffusers pipeline folder (``SD3Generator``, ``FluxGenerator``,
+            ``WanGenerator``). Its transformer is the ``transformer`` expert.
         llm: The prompt-refiner LM expert (None for a generator-only card).
-        vae: Frozen VAE decoding latents to images (None: the DiT works in pixel space, 3 channels in [-1, 1]).
-        mode: ``joint`` trains both experts; ``prompt_only`` trains the LM and samples the frozen DiT with
-            the ODE; ``generator_only`` never runs (or changes) the LM and trains the DiT on the original prompts.
-        rollout: How both loops sample (tokens, steps, SDE window, micro-batches).
-        rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward.
+        pipeline_path: A diffusers pipeline folder for a family generator (overrides its ``pipeline_path``).
+        mode: ``joint`` trains both experts; ``prompt_only`` trains the LM and samples the frozen generator
+            with the ODE; ``generator_only`` never runs (or changes) the LM and trains the generator on the
+            original prompts.
+        rollout: How both loops sample (tokens, steps, SDE window, micro-batches, guidance).
+        rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward. Required.
         reward_args: Reward name -> keyword arguments for rewards that take some.
+        advantage: How rewards become advantages (scheme, global std, clipping).
         llm_optimizer: Optimizer of the LM's LoRA parameters (its own learning rate).
-        transformer_optimizer: Optimizer of the DiT's LoRA parameters (its own learning rate).
+        transformer_optimizer: Optimizer of the generator's LoRA parameters (its own learning rate).
         llm_loss: GRPO settings of the LM (token-level clipped ratio, k3 KL).
-        transformer_loss: Flow-GRPO settings of the DiT (clipped ratio, KL of step means).
+        transformer_loss: Flow-GRPO settings of the generator (clipped ratio, KL of step means).
         ppo_epochs: Optimizer steps per experience; after the first, records are stale by design and
-            the ratio moves away from 1.
+            the ratio moves away from 1. One RL step is one trainer global step whatever the count.
         on_stale: ``error`` (on-policy: a record whose producing version is not current at its first
             update stops the run) or ``log`` (staleness is logged).
         reshard_after_forward: FSDP2 only (``ModelParallelStrategy``): free each block's gathered
@@ -79,14 +77,14 @@ class UniRLModule(pl.LightningModule):
 
     def __init__(
         self,
-        transformer: FlowTransformerExpert = lazy_instance(FlowTransformerExpert),
-        text_encoder: TextEncoderExpert = lazy_instance(TextEncoderExpert),
+        generator: ComponentGenerator | FlowGenerator = lazy_instance(ComponentGenerator),
         llm: CausalLMExpert | None = lazy_instance(CausalLMExpert),
-        vae: VAEExpert | None = lazy_instance(VAEExpert),
+        pipeline_path: str | None = None,
         mode: Literal["joint", "prompt_only", "generator_only"] = "joint",
         rollout: RolloutConfig = RolloutConfig(),
         rewards: dict[str, float] | None = None,
         reward_args: dict[str, dict[str, Any]] | None = None,
+        advantage: AdvantageConfig = AdvantageConfig(),
         llm_optimizer: OptimizerCallable = _default_llm_optimizer,
         transformer_optimizer: OptimizerCallable = _default_dit_optimizer,
         llm_loss: ExpertLoss = ExpertLoss(),
@@ -97,60 +95,73 @@ class UniRLModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.card = Card.unified(has_llm=llm is not None, has_vae=vae is not None)
+        self.card = Card.unified(has_llm=llm is not None, has_vae=generator.has_vae)
         self.card.validate(mode)
         if ppo_epochs < 1:
             raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
         if on_stale not in ("error", "log"):
             raise ValueError(f"on_stale must be 'error' or 'log', got {on_stale!r}")
-        self.mode = mode
-        self.llm = llm
-        self.transformer = transformer
-        self.text_encoder = text_encoder
-        self.vae = vae
-        self.rollout_config = rollout
-        self.reward_fn = WeightedSum(rewards or {"refiner_format": 1.0}, reward_args)
+        if not rewards:
+            raise ValueError(
+                "model.rewards is not set: name at least one reward with its weight, e.g. rewards: {brightness: 1.0}. "
+                f"Registered rewards: {', '.join(registered_rewards())} (or a dotted path to your own callable)."
+            )
+        if pipeline_path is not None:
+            if not isinstance(generator, FlowGenerator):
+                raise ValueError(
+                    "model.pipeline_path needs a family generator (model.generator: SD3Generator, FluxGenerator "
+                    "or WanGenerator); the default ComponentGenerator is configured part by part"
+                )
+            generator.pipeline_path = pipeline_path
+        self.mode, self.llm, self.generator = mode, llm, generator
+        self.rollout_config, self.advantage = rollout, advantage
+        self.reward_fn = WeightedSum(rewards, reward_args)
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
-        self.ppo_epochs = ppo_epochs
-        self.on_stale = on_stale
-        self.reshard_after_forward = reshard_after_forward
+        self.ppo_epochs, self.on_stale, self.reshard_after_forward = ppo_epochs, on_stale, reshard_after_forward
         self.trained = self.card.trained_components(mode)
         self.ledger = VersionLedger(list(self.card.components))
-        self.feature_cache = FeatureCache(self.ledger)
-        self.engine: RolloutEngine | None = None
+        self.ar_decode: ARDecode | None = None
+        self.diffusion_denoise: DiffusionDenoise | None = None
+        self.conditioning = Conditioner(generator, self.ledger)
+        self.source: ExperienceSource | None = None
 
     # ------------------------------------------------------------------ building
-    def experts(self) -> dict[str, torch.nn.Module]:
-        """The card's components that are present, by name."""
-        parts = {"llm": self.llm, "transformer": self.transformer, "text_encoder": self.text_encoder, "vae": self.vae}
-        return {k: v for k, v in parts.items() if v is not None}
+    def experts(self) -> dict[str, Any]:
+        """The card's expert components that are present, by name."""
+        parts = {"llm": self.llm, "transformer": self.generator.expert}
+        return {name: part for name, part in parts.items() if part is not None}
 
     def configure_model(self) -> None:
-        if self.engine is not None:
+        if self.source is not None:
             return
-        for expert in self.experts().values():
-            expert.build()
-        for name in ("llm", "transformer"):
-            expert = self.experts().get(name)
-            if expert is not None and name not in self.trained:
+        self.generator.build()
+        if self.llm is not None:
+            self.llm.build()
+        for name, expert in self.experts().items():
+            if name not in self.trained:
                 # A frozen expert gets no gradients, so it can never change and its version never moves.
                 expert.requires_grad_(False)
-        self._check_pixel_space()
         if self.device_mesh is not None:
             # FSDP2: shard after LoRA is attached so the adapter is sharded with its block.
             shard_experts(self.experts(), self.trained, self.device_mesh["data_parallel"], self.reshard_after_forward)
             # ModelParallelStrategy loads module weights straight from the file, before
             # on_load_checkpoint can refill the trimmed frozen weights that configure_model rebuilt.
             self.strict_loading = False
-        self.engine = RolloutEngine(self.llm, self.transformer, self.rollout_config)
-
-    def _check_pixel_space(self) -> None:
-        channels = self.transformer.latent_shape[0]
-        expected = self.vae.latent_channels if self.vae is not None else 3
-        if channels != expected:
-            where = "the VAE's latent_channels" if self.vae is not None else "3 (pixel space, no VAE)"
-            raise ValueError(f"the transformer has {channels} input channels but {where} is {expected}")
+        runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
+        self.ar_decode = ARDecode(self.llm, self.rollout_config) if runs_lm else None
+        self.diffusion_denoise = DiffusionDenoise(self.generator, self.rollout_config)
+        self.source = ExperienceSource(
+            ar_decode=self.ar_decode,
+            diffusion_denoise=self.diffusion_denoise,
+            conditioning=self.conditioning,
+            reward=self.reward_fn,
+            advantages=self.advantage,
+            ledger=self.ledger,
+            trained={loop: self.card.owner(loop) in self.trained for loop in self.card.loops},
+            owners={loop: self.card.owner(loop) for loop in self.card.loops},
+            batch_std=self._global_std,
+        )
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         opts = []
@@ -161,187 +172,72 @@ class UniRLModule(pl.LightningModule):
             opts.append(self.optimizer_factories[name](params))
         return opts
 
+    def loss_settings(self, name: str) -> ExpertLoss:
+        """The policy-loss settings of expert ``name`` (gates read its clip range)."""
+        return self.losses[name]
+
     # ------------------------------------------------------------------ rollout
-    def encode(self, texts: Sequence[str]) -> tuple[Tensor, Tensor]:
-        """Text features through the versioned cache: each distinct text is encoded once per version."""
-        hidden, pooled = self.feature_cache.get_or_compute("text_encoder", texts, self.text_encoder.encode)
-        return hidden, pooled
-
-    def decode(self, latents: Tensor) -> Tensor:
-        """Images (N, 3, H, W) in [0, 1] from latents (or from pixel-space samples in [-1, 1])."""
-        if self.vae is None:
-            return ((latents.float().clamp(-1, 1) + 1) / 2).clamp(0, 1)
-        return self.vae.decode(latents)
-
-    def _uncond(self) -> tuple[Tensor, Tensor] | None:
-        if self.rollout_config.guidance_scale == 1.0:
-            return None
-        return self.encode([""])
-
-    def refine(
-        self, prompts: list[str], request_ids: list[int], sample_indices: list[int], profile: Profile
-    ) -> tuple[list[str], LMRecord | None]:
-        """Refined prompts for the given samples (empty lists pass through)."""
-        if not prompts:
-            return [], None
-        assert self.engine is not None and self.llm is not None
-        texts, record = self.engine.refine(prompts, request_ids, sample_indices, profile, self.ledger["llm"])
-        return texts, record
-
-    def draw(
-        self, texts: list[str], request_ids: list[int], sample_indices: list[int], profile: Profile
-    ) -> tuple[Tensor, DiTRecord | None]:
-        """Encode, denoise and decode: (images, DiT record or None)."""
-        assert self.engine is not None
-        hidden, pooled = self.encode(texts)
-        latents, record = self.engine.denoise(
-            hidden, pooled, request_ids, sample_indices, profile, self.ledger["transformer"], self._uncond()
-        )
-        return self.decode(latents), record
-
-    @torch.no_grad()
-    def collect_experience(self, batch: PromptBatch, data: PromptDataModule) -> Experience:
-        """Rollout for one step (profile ``rollout``): refine, render, score, and compute advantages."""
-        assert self.engine is not None
-        self.engine.seed = data.seed
-        k, m, p = data.samples_per_prompt, data.images_per_refinement, len(batch.prompts)
-        runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
-        skip = data.num_skip_refinement if runs_lm else k
-        texts = [q for q in batch.prompts for _ in range(k)]
-        req = [r for r in batch.request_ids for _ in range(k)]
-        idx = [j for _ in range(p) for j in range(k)]
-        rows = [i for i in range(p * k) if idx[i] >= skip]
-        lm_profile: Profile = "rollout" if "llm" in self.trained else "serve"
-        refined_rows, lm_record = self.refine(
-            [texts[i] for i in rows], [req[i] for i in rows], [idx[i] for i in rows], lm_profile
-        )
-        refined = list(texts)
-        for i, t in zip(rows, refined_rows, strict=True):
-            refined[i] = t
-        if lm_record is not None:
-            lm_record.rows = torch.as_tensor(rows, dtype=torch.long)
-            if "llm" not in self.trained:
-                lm_record = None
-
-        img_text = torch.arange(p * k).repeat_interleave(m)
-        dit_profile: Profile = "rollout" if "transformer" in self.trained else "serve"
-        images, dit_record = self.draw(
-            [refined[t] for t in img_text.tolist()],
-            [req[t] for t in img_text.tolist()],
-            [idx[t] * m + j for t in range(p * k) for j in range(m)],
-            dit_profile,
-        )
-        originals = [texts[t] for t in img_text.tolist()]
-        rewards, parts = self.reward_fn(originals, [refined[t] for t in img_text.tolist()], images)
-        text_rewards = rewards.view(p * k, m).mean(1)
-        prompt_of_text = torch.arange(p).repeat_interleave(k)
-        adv_kwargs = {"global_std": data.global_std, "clip_max": data.adv_clip_max}
-        text_adv = group_advantages(
-            text_rewards, prompt_of_text, batch_std=self._batch_std(text_rewards, data), **adv_kwargs
-        )
-        groups = prompt_of_text[img_text] if data.advantage_scheme == "shared" else img_text
-        dit_adv = group_advantages(rewards, groups, batch_std=self._batch_std(rewards, data), **adv_kwargs)
-        if data.advantage_scheme == "shared" and m == 1:
-            dit_adv = text_adv  # PromptRL: literally one advantage per sample for both experts.
-        device = self.device
-        return Experience(
-            prompts=originals,
-            refined=[refined[t] for t in img_text.tolist()],
-            text_index=img_text,
-            rewards=rewards.to(device),
-            text_rewards=text_rewards.to(device),
-            lm_advantages=text_adv[rows].to(device),
-            dit_advantages=dit_adv.to(device),
-            lm=lm_record,
-            dit=dit_record,
-            reward_terms={n: float(v.mean()) for n, v in parts.items()},
-            zero_std_frac=zero_std_fraction(text_rewards, prompt_of_text),
-            images=images,
-        )
-
-    def _batch_std(self, rewards: Tensor, data: PromptDataModule) -> Tensor | None:
-        """The std of the global batch's rewards (all ranks) for ``global_std``; None on one process."""
-        if not data.global_std or self._trainer is None or self.trainer.world_size == 1:
+    def _global_std(self, rewards: Tensor) -> Tensor | None:
+        """The std of the global batch's rewards (all ranks); None on one process."""
+        if self._trainer is None or self.trainer.world_size == 1:
             return None
         gathered = self.all_gather(rewards.to(self.device))
         return gathered.flatten().double().std(unbiased=False).cpu()
 
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self._trainer is not None and self.trainer.training and isinstance(batch, PromptBatch):
+            assert self.source is not None, "configure_model() builds the experience source"
+            return self.source.collect(batch, self.device)
+        return batch
+
+    def _loops_with_records(self, name: str, exp: Experience) -> list[str]:
+        return [loop for loop in self.card.loops_of(name) if loop in exp.records]
+
+    def _loop(self, loop: str) -> ARDecode | DiffusionDenoise:
+        found = self.ar_decode if loop == "ar_decode" else self.diffusion_denoise
+        assert found is not None, f"loop {loop!r} is not built"
+        return found
+
     @torch.no_grad()
     def recompute_logprobs(self, exp: Experience) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
-        """(recomputed, behavior, mask) log-probs of each captured record under the current weights."""
-        assert self.engine is not None
+        """(recomputed, behavior, mask) log-probs of each trained component's record under the current weights."""
         out = {}
-        if exp.lm is not None:
-            out["llm"] = (self.engine.lm_logprobs(exp.lm), exp.lm.old_logp, exp.lm.gen_mask)
-        if exp.dit is not None:
-            old = exp.dit.old_logp
-            out["transformer"] = (self.engine.dit_logprobs(exp.dit), old, torch.ones_like(old, dtype=torch.bool))
+        for name in self.trained:
+            for loop in self._loops_with_records(name, exp):
+                record = exp.records[loop]
+                mask = getattr(record, "gen_mask", None)
+                mask = torch.ones_like(record.old_logp, dtype=torch.bool) if mask is None else mask
+                out[name] = (self._loop(loop).score(record), record.old_logp, mask)
         return out
 
     # ------------------------------------------------------------------ training
-    def _llm_loss(self, exp: Experience) -> LossOutput:
-        assert self.engine is not None and self.llm is not None and exp.lm is not None
-        cfg = self.losses["llm"]
-        logp = self.engine.lm_logprobs(exp.lm)
-        ref = None
-        if cfg.beta > 0:
-            with torch.no_grad(), self.llm.adapter_disabled():
-                ref = self.engine.lm_logprobs(exp.lm)
-        return grpo_token_loss(
-            logp,
-            exp.lm.old_logp,
-            exp.lm_advantages,
-            exp.lm.gen_mask,
-            ref_logp=ref,
-            clip_eps=cfg.clip_eps,
-            beta=cfg.beta,
-        )
-
-    def _dit_loss(self, exp: Experience) -> LossOutput:
-        assert self.engine is not None and exp.dit is not None
-        cfg, rec = self.losses["transformer"], exp.dit
-        logps, kls = [], []
-        for step in range(rec.num_steps):
-            step_logp, step_kl = [], []
-            for chunk in rec.chunks:
-                logp, mean, std = self.engine.dit_step_logprob(rec, step, chunk)
-                step_logp.append(logp)
-                if cfg.beta > 0:
-                    with torch.no_grad(), self.transformer.adapter_disabled():
-                        _, ref_mean, _ = self.engine.dit_step_logprob(rec, step, chunk)
-                    step_kl.append(flow_kl(mean, ref_mean, std))
-            logps.append(torch.cat(step_logp))
-            if step_kl:
-                kls.append(torch.cat(step_kl))
-        # Averaging over (sample, step) pairs matches Flow-GRPO's gradient accumulation over timesteps.
-        logp = torch.stack(logps, 1).flatten()
-        adv = exp.dit_advantages.repeat_interleave(rec.num_steps)
-        kl = torch.stack(kls, 1).flatten() if kls else None
-        return flow_grpo_loss(logp, rec.old_logp.flatten(), adv, kl=kl, clip_eps=cfg.clip_eps, beta=cfg.beta)
+    def _loss(self, name: str, exp: Experience) -> LossOutput | None:
+        expert = self.experts()[name]
+        outputs = [
+            _LOSSES[loop](
+                self._loop(loop), exp.records[loop], exp.advantages[loop], self.losses[name], expert.adapter_disabled
+            )
+            for loop in self._loops_with_records(name, exp)
+        ]
+        # One expert per loop on the unified card; a mixture-of-transformers card sums its loops' losses.
+        if not outputs:
+            return None
+        return outputs[0] if len(outputs) == 1 else _sum_losses(outputs)
 
     def _check_staleness(self, exp: Experience) -> dict[str, float]:
         staleness = {}
-        for name, rec in (("llm", exp.lm), ("transformer", exp.dit)):
-            if rec is None:
-                continue
-            lag = self.ledger[name] - rec.version
+        for loop, record in exp.records.items():
+            name = self.card.owner(loop)
+            lag = self.ledger[name] - record.version
             staleness[name] = float(lag)
             if lag and self.on_stale == "error":
                 raise RuntimeError(
-                    f"off-policy batch: the {name} record was produced by version {rec.version} but the "
+                    f"off-policy batch: the {name} record was produced by version {record.version} but the "
                     f"weights are at version {self.ledger[name]} (set model.on_stale=log to allow stale data)"
                 )
         return staleness
 
-    def _strategy(self) -> Any:
-        return self._trainer.strategy if self._trainer is not None else None
-
-    def _optimizers_by_name(self) -> dict[str, Any]:
-        opts = self.optimizers()
-        opts = opts if isinstance(opts, list) else [opts]
-        return dict(zip(self.trained, opts, strict=True))
-
-    def _step(self, name: str, opt: Any, first: bool) -> Tensor:
+    def _step(self, name: str, opt: Any, counts_as_global_step: bool) -> Tensor:
         params = [p for p in self.experts()[name].parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
         if isinstance(grad_norm, DTensor):  # FSDP2: a partial norm; loggers and sync_dist need a plain tensor
@@ -349,85 +245,66 @@ class UniRLModule(pl.LightningModule):
         clip = self.losses[name].grad_clip
         if clip is not None:
             self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-        if first:
+        if counts_as_global_step:
             opt.step()
         else:
-            # Lightning counts every LightningOptimizer.step() as a global step; one RL step that
-            # updates two experts must count once, so the others step through the strategy directly.
+            # Lightning counts every LightningOptimizer.step() as a global step; one RL step (every expert,
+            # every PPO epoch) must count once, so the others step through the strategy directly.
             self.trainer.strategy.optimizer_step(opt.optimizer, closure=lambda: None, model=self)
         self.ledger.bump(name)
         return grad_norm.detach()
 
     def training_step(self, exp: Experience, batch_idx: int) -> None:
         staleness = self._check_staleness(exp)
-        opts = self._optimizers_by_name()
+        opts = self.optimizers()
+        opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         metrics: dict[str, Tensor | float] = {}
         for epoch in range(self.ppo_epochs):
             for opt in opts.values():
                 opt.zero_grad(set_to_none=True)
-            outputs: dict[str, LossOutput] = {}
-            if "llm" in opts and exp.lm is not None:
-                outputs["llm"] = self._llm_loss(exp)
-            if "transformer" in opts and exp.dit is not None:
-                outputs["transformer"] = self._dit_loss(exp)
+            outputs = {name: out for name in opts if (out := self._loss(name, exp)) is not None}
             if not outputs:
                 continue
             # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
-            weights = {n: token_loss_weight(exp.lm.gen_mask, self._strategy()) if n == "llm" else 1.0 for n in outputs}
+            weights = {n: self._token_weight(n, exp) for n in outputs}
             self.manual_backward(sum(weights[n] * o.loss for n, o in outputs.items()))
             for i, name in enumerate(outputs):
-                # Lightning counts each LightningOptimizer.step() as a global step: exactly one per RL step.
-                grad_norm = self._step(name, opts[name], first=epoch == 0 and i == 0)
+                grad_norm = self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)
                 if epoch == 0:
-                    metrics.update(self._loss_metrics(name, outputs[name], grad_norm))
-        metrics.update(self._rollout_metrics(exp, staleness))
+                    metrics.update(loss_metrics(name, outputs[name], grad_norm))
+        versions = self.ledger.as_dict()
+        metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate()))
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(exp.prompts), sync_dist=True)
         self.log(
             "reward/mean", exp.rewards.mean(), prog_bar=True, on_step=True, batch_size=len(exp.prompts), sync_dist=True
         )
 
-    def _loss_metrics(self, name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Tensor]:
-        return {
-            f"{name}/loss": out.loss.detach(),
-            f"{name}/pg_loss": out.pg_loss,
-            f"{name}/kl": out.kl,
-            f"{name}/ratio_mean": out.ratio_mean,
-            f"{name}/ratio_min": out.ratio_min,
-            f"{name}/ratio_max": out.ratio_max,
-            f"{name}/clip_frac": out.clip_frac,
-            f"{name}/clip_frac_high": out.clip_frac_high,
-            f"{name}/clip_frac_low": out.clip_frac_low,
-            f"{name}/grad_norm": grad_norm,
-        }
-
-    def _rollout_metrics(self, exp: Experience, staleness: dict[str, float]) -> dict[str, Tensor | float]:
-        metrics: dict[str, Tensor | float] = {
-            "reward/std": exp.rewards.std(unbiased=False),
-            "advantage/zero_std_frac": exp.zero_std_frac,
-            "advantage/abs_mean": exp.dit_advantages.abs().mean(),
-            "cache/text_encoder_hit_rate": self.feature_cache.hit_rate(),
-        }
-        metrics.update({f"reward/{n}": v for n, v in exp.reward_terms.items()})
-        metrics.update({f"version/{n}": float(v) for n, v in self.ledger.as_dict().items()})
-        metrics.update({f"version/{n}_staleness": v for n, v in staleness.items()})
-        if exp.lm is not None:
-            metrics["llm/response_tokens"] = exp.lm.gen_mask.sum(1).float().mean()
-        return metrics
+    def _token_weight(self, name: str, exp: Experience) -> float:
+        if "ar_decode" not in self._loops_with_records(name, exp):
+            return 1.0
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        return token_loss_weight(exp.records["ar_decode"].gen_mask, strategy)
 
     # ------------------------------------------------------------------ evaluation
-    def _serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
+    def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
+        """Refined prompts and pixels on the deterministic serve path (greedy tokens, ODE)."""
+        assert self.diffusion_denoise is not None, "configure_model() builds the loops"
         n = len(batch.prompts)
-        data = self.trainer.datamodule if self._trainer is not None else None
-        if self.engine is not None and isinstance(data, PromptDataModule):
-            self.engine.seed = data.seed  # evaluation noise follows the data seed, as training's does
         refined = list(batch.prompts)
-        if self.llm is not None and self.card.runs_loop(self.mode, "ar_decode"):
-            refined, _ = self.refine(list(batch.prompts), batch.request_ids, [0] * n, "serve")
-        images, _ = self.draw(refined, batch.request_ids, [0] * n, "serve")
-        return refined, images
+        if self.ar_decode is not None:
+            refined, _ = self.ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed)
+        latents, _ = self.diffusion_denoise.sample(
+            self.conditioning.encode(refined),
+            batch.request_ids,
+            [0] * n,
+            "serve",
+            seed=batch.seed,
+            uncond=self.conditioning.uncond(self.rollout_config.guided),
+        )
+        return refined, self.conditioning.decode(latents)
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
-        refined, images = self._serve(batch)
+        refined, images = self.serve(batch)
         # Shard padding ran (so every rank made the same forwards) but is not scored.
         n = batch.real
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
@@ -447,7 +324,7 @@ class UniRLModule(pl.LightningModule):
                     self.log(f"val/{name}/{key}", mean, batch_size=count, sync_dist=False)
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
-        refined, images = self._serve(batch)
+        refined, images = self.serve(batch)
         n = batch.real
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
         total, _ = self.reward_fn(prompts, refined, images)
@@ -466,3 +343,10 @@ class UniRLModule(pl.LightningModule):
         if "unirl_rng" in checkpoint:
             set_rng_states(checkpoint["unirl_rng"])
         refill_trimmed(checkpoint, self)
+
+
+def _sum_losses(outputs: list[LossOutput]) -> LossOutput:
+    """One expert trained by several loops: the losses add, the statistics are the loops' means."""
+    stack = {f: torch.stack([getattr(o, f) for o in outputs]) for f in LossOutput.__dataclass_fields__}
+    total = {f: v.sum() if f in ("loss", "pg_loss", "kl") else v.mean() for f, v in stack.items()}
+    return LossOutput(**total)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,14 +54,17 @@ class FeatureCache:
     def __init__(self, ledger: VersionLedger, max_entries: int = 4096) -> None:
         self.ledger = ledger
         self.max_entries = max_entries
-        self._store: OrderedDict[tuple[str, int, str], tuple[Tensor, ...]] = OrderedDict()
+        self._store: OrderedDict[tuple[str, int, str], dict[str, Tensor]] = OrderedDict()
         self.hits = 0
         self.lookups = 0
 
     def get_or_compute(
-        self, component: str, texts: Sequence[str], compute: Callable[[list[str]], tuple[Tensor, ...]]
-    ) -> tuple[Tensor, ...]:
-        """Features for ``texts`` from ``component`` at its current version; each distinct miss computed once."""
+        self, component: str, texts: Sequence[str], compute: Callable[[list[str]], dict[str, Tensor]]
+    ) -> dict[str, Tensor]:
+        """Features for ``texts`` from ``component`` at its current version; each distinct miss computed once.
+
+        ``compute`` maps a list of texts to named batch-first tensors; the result has the same names.
+        """
         version = self.ledger[component]
         keys = [(component, version, t) for t in texts]
         missing = list(dict.fromkeys(t for k, t in zip(keys, texts, strict=True) if k not in self._store))
@@ -70,13 +72,13 @@ class FeatureCache:
         self.hits += len(texts) - len(missing)
         for text in missing:
             feats = compute([text])
-            self._store[(component, version, text)] = tuple(f[0].detach() for f in feats)
+            self._store[(component, version, text)] = {name: f[0].detach() for name, f in feats.items()}
         for k in keys:
             self._store.move_to_end(k)
         out = [self._store[k] for k in keys]
         while len(self._store) > self.max_entries:
             self._store.popitem(last=False)
-        return tuple(torch.stack(parts) for parts in zip(*out, strict=True))
+        return {name: torch.stack([row[name] for row in out]) for name in out[0]}
 
     def hit_rate(self, reset: bool = True) -> float:
         """Hits / lookups since the last reset (0 when nothing was looked up)."""
@@ -87,11 +89,3 @@ class FeatureCache:
 
     def __len__(self) -> int:
         return len(self._store)
-
-    def entries_for(self, component: str) -> list[tuple[str, int, str]]:
-        """Keys currently cached for ``component`` (for tests and diagnostics)."""
-        return [k for k in self._store if k[0] == component]
-
-    def state(self) -> dict[str, Any]:
-        """Counters only: cached tensors are derived data and are recomputed after a resume."""
-        return {"entries": len(self._store), "hits": self.hits, "lookups": self.lookups}

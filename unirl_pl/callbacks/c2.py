@@ -20,8 +20,9 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 
-from unirl_pl.data import Experience
+from unirl_pl.callbacks.protocol import RecomputingModule, require
 from unirl_pl.losses import k3_kl
+from unirl_pl.records import Experience
 
 Action = Literal["raise", "warn"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]
@@ -106,6 +107,9 @@ class LogProbIdentityCheck(pl.Callback):
         self.every_n_steps = every_n_steps
         self.last: dict[str, dict[str, float]] = {}
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require(self, pl_module, RecomputingModule)
+
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -131,7 +135,7 @@ class LogProbIdentityCheck(pl.Callback):
         """Recompute every captured log-prob under the current weights: stats and worst (row, position) by expert."""
         measured = {}
         for name, (new, old, mask) in pl_module.recompute_logprobs(batch).items():
-            clip_eps = pl_module.losses[name].clip_eps if hasattr(pl_module, "losses") else 0.2
+            clip_eps = pl_module.loss_settings(name).clip_eps
             measured[name] = _compare(new, old, mask, clip_eps)
         self.last = {name: stats for name, (stats, _) in measured.items()}
         return measured
@@ -197,7 +201,7 @@ def _precision_of(pl_module: pl.LightningModule, name: str) -> str:
         return "bfloat16"
     if "16" in trainer_precision:
         return "float16"
-    expert = pl_module.experts().get(name) if hasattr(pl_module, "experts") else None
+    expert = pl_module.experts().get(name)
     dtype = getattr(expert, "dtype", torch.float32)
     if dtype in (torch.bfloat16, torch.float16):
         return str(dtype).removeprefix("torch.")

@@ -7,6 +7,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from unirl_pl.callbacks.protocol import VersionedModule, require
+
 
 class VersionMismatchError(RuntimeError):
     """Ranks disagree on a component's version, or a frozen component's version moved."""
@@ -19,6 +21,9 @@ class WeightVersionLedger(pl.Callback):
     optimizer step would silently train a different model), and components the mode does not train
     stay at version 0. Versions themselves are saved in and restored from checkpoints by the module.
     """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require(self, pl_module, VersionedModule)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int

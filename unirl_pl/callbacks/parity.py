@@ -18,10 +18,12 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-from unirl_pl.rollout import RolloutEngine
+from unirl_pl.callbacks.protocol import SamplingModule, require
+from unirl_pl.records import cond_rows
 
 # Probe requests get their own id, far from training (>= 0) and evaluation (-1, -2, ...) ids.
 PROBE_REQUEST_ID = -(1 << 40)
+PROBE_SEED = 0
 ProbeProfile = Literal["serve", "rollout"]
 
 
@@ -131,6 +133,9 @@ class InterleaveParityCheck(pl.Callback):
         self._checked_at: int | None = None
 
     # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        require(self, pl_module, SamplingModule)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._run(trainer, pl_module)
 
@@ -154,17 +159,17 @@ class InterleaveParityCheck(pl.Callback):
     @torch.no_grad()
     def check(self, pl_module: pl.LightningModule, step: int = 0) -> ParityReport:
         """Probe batched vs serial in every profile; raise (or warn) on a divergence or an empty probe."""
-        engine: RolloutEngine | None = getattr(pl_module, "engine", None)
-        if engine is None:
-            raise InterleaveParityError("interleave parity: the module has no rollout engine (configure_model not run)")
+        denoise = getattr(pl_module, "diffusion_denoise", None)
+        if denoise is None:
+            raise InterleaveParityError("interleave parity: the module has no loops (configure_model not run)")
         report = ParityReport()
         for profile in self.profiles:
-            if engine.llm is not None:
-                self._compare_lm(engine, profile, report)
-            self._compare_dit(pl_module, engine, profile, report)
+            if pl_module.ar_decode is not None:
+                self._compare_lm(pl_module.ar_decode, profile, report)
+            self._compare_dit(pl_module.generator, denoise, profile, report)
         self.last = report
         if report.failures:
-            probe = f"probe {self.prompt!r} x {self.num_requests}, step counts {self.probe_step_counts(engine)}"
+            probe = f"probe {self.prompt!r} x {self.num_requests}, step counts {self.probe_step_counts(denoise.config)}"
             msg = (
                 f"Interleave parity failed at step {step} ({probe}): " + "; ".join(report.failures) + ". A request's "
                 "result depends on what it is batched with: look for randomness shared across requests or noise "
@@ -178,43 +183,40 @@ class InterleaveParityCheck(pl.Callback):
     def _requests(self) -> tuple[list[int], list[int]]:
         return [PROBE_REQUEST_ID] * self.num_requests, list(range(self.num_requests))
 
-    def probe_step_counts(self, engine: RolloutEngine) -> list[int]:
+    def probe_step_counts(self, config: Any) -> list[int]:
         """The denoising step count of each probe request (``step_counts`` cycled, or the default mix)."""
-        cfg = engine.config
-        options = self.step_counts or [cfg.num_steps, max(cfg.sde_window[1], (cfg.num_steps + 1) // 2)]
+        options = self.step_counts or [config.num_steps, max(config.sde_window[1], (config.num_steps + 1) // 2)]
         return [options[i % len(options)] for i in range(self.num_requests)]
 
-    def _compare_lm(self, engine: RolloutEngine, profile: ProbeProfile, report: ParityReport) -> None:
+    def _compare_lm(self, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
         ids, idx = self._requests()
-        _, batched = engine.refine([self.prompt] * len(ids), ids, idx, profile)
+        _, batched = loop.sample([self.prompt] * len(ids), ids, idx, profile, seed=PROBE_SEED)
         for i, (r, k) in enumerate(zip(ids, idx, strict=True)):
-            _, alone = engine.refine([self.prompt], [r], [k], profile)
+            _, alone = loop.sample([self.prompt], [r], [k], profile, seed=PROBE_SEED)
             b_live, s_live = batched.gen_mask[i], alone.gen_mask[0]
             where = f"llm/{profile} request {i}"
             report.tokens(where, batched.gen_ids[i][b_live], alone.gen_ids[0][s_live])
             b_logp, s_logp = batched.old_logp[i][b_live], alone.old_logp[0][s_live]
             report.values(f"{where} log-probs", "llm", b_logp, s_logp, self.tolerance)
 
-    def _compare_dit(
-        self, pl_module: pl.LightningModule, engine: RolloutEngine, profile: ProbeProfile, report: ParityReport
-    ) -> None:
+    def _compare_dit(self, generator: Any, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
         ids, idx = self._requests()
-        counts = self.probe_step_counts(engine)
+        counts = self.probe_step_counts(loop.config)
         n = len(ids)
         # Straight to the encoder, not through the module's feature cache: the probe must not move its hit rate.
-        hidden, pooled = pl_module.text_encoder.encode([self.prompt])
-        uncond = pl_module.text_encoder.encode([""]) if engine.config.guidance_scale != 1.0 else None
-        hidden, pooled = hidden.repeat(n, 1, 1), pooled.repeat(n, 1)
-        lat_b, rec_b = engine.denoise(hidden, pooled, ids, idx, profile, uncond=uncond, num_steps=counts)
-        img_b = pl_module.decode(lat_b)
+        one = generator.encode([self.prompt])
+        cond = {k: v.repeat(n, *[1] * (v.ndim - 1)) for k, v in one.items()}
+        uncond = generator.encode([""]) if loop.config.guided else None
+        lat_b, rec_b = loop.sample(cond, ids, idx, profile, seed=PROBE_SEED, uncond=uncond, num_steps=counts)
+        img_b = generator.decode(lat_b)
         for i in range(n):
             sl = slice(i, i + 1)
-            lat_s, rec_s = engine.denoise(
-                hidden[sl], pooled[sl], ids[sl], idx[sl], profile, uncond=uncond, num_steps=counts[sl]
+            lat_s, rec_s = loop.sample(
+                cond_rows(cond, sl), ids[sl], idx[sl], profile, seed=PROBE_SEED, uncond=uncond, num_steps=counts[sl]
             )
             where = f"transformer/{profile} request {i} ({counts[i]} steps)"
             report.values(f"{where} latents", "transformer", lat_b[sl], lat_s, self.tolerance)
-            report.values(f"{where} images", "images", img_b[sl], pl_module.decode(lat_s), self.tolerance)
+            report.values(f"{where} images", "images", img_b[sl], generator.decode(lat_s), self.tolerance)
             if (rec_b is None) != (rec_s is None):
                 report.failures.append(f"{where}: only one side captured a behavior record")
             elif rec_b is not None and rec_s is not None:

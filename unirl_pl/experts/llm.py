@@ -25,6 +25,7 @@ from unirl_pl.experts._common import (
     resolve_dtype,
     seeded_cpu_init,
 )
+from unirl_pl.experts.chat import ChatFormat, format_requests, parse_reply
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
 
 DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -58,6 +59,9 @@ class CausalLMExpert(torch.nn.Module):
         initializer_range: Tiny model only: std of the random init. Larger than HF's 0.02 by default
             because with tied embeddings a 0.02 init bounds every logit near 0: the policy is stuck
             near uniform and no LoRA update can make one token likely, unlike a real LM.
+        chat: How an instruct LM is asked and its reply read back (chat template, instruction, reply
+            parsing with a fallback to the user prompt); None feeds the bare prompt to a base LM and takes
+            its continuation as the refinement.
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class CausalLMExpert(torch.nn.Module):
         dtype: str = "float32",
         init_seed: int = 0,
         initializer_range: float = 0.2,
+        chat: ChatFormat | None = None,
     ) -> None:
         super().__init__()
         check_positive(
@@ -103,6 +108,7 @@ class CausalLMExpert(torch.nn.Module):
         self.dtype = resolve_dtype(dtype)
         self.init_seed = init_seed
         self.initializer_range = initializer_range
+        self.chat = chat
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: PeftModel | None = None
         self._cache_arg_name = "past_key_values"
@@ -224,6 +230,32 @@ class CausalLMExpert(torch.nn.Module):
     def eos_token_id(self) -> int:
         """Id that ends a generated refinement."""
         return int(self._require_tokenizer().eos_token_id)
+
+    def tokenize_requests(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Left-padded ``input_ids`` and ``attention_mask`` of what the refiner reads for each prompt.
+
+        With a chat format that is the rendered template (instruction and prompt in one user turn, ending
+        in the assistant's generation prompt); the template already holds its special tokens, so none
+        are added again. Everything here is context: only the generated tokens are recorded and scored.
+        """
+        tokenizer = self._require_tokenizer()
+        if self.chat is None or not self.chat.use_chat_template:
+            return tokenizer(prompts, return_tensors="pt", padding=True)
+        texts = format_requests(tokenizer, prompts, self.chat)
+        return tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+
+    def parse_replies(self, replies: list[str], prompts: list[str]) -> tuple[list[str], list[bool]]:
+        """The refined prompts read from decoded replies, and which fell back to the user prompt (empty
+        when there is no chat format: ``llm/fallback_frac`` is then not logged).
+
+        A base LM's continuation is the refinement as is (stripped); an instruct LM's reply goes through
+        :func:`~unirl_pl.experts.chat.parse_reply` (thinking removed, labels and quotes stripped, length
+        capped, the user prompt when nothing usable is left).
+        """
+        if self.chat is None or not self.chat.use_chat_template:
+            return [r.strip() for r in replies], []  # no parsing, so nothing can fall back
+        parsed = [parse_reply(r, p, self.chat) for r, p in zip(replies, prompts, strict=True)]
+        return [text for text, _ in parsed], [fell for _, fell in parsed]
 
     def save_adapter(self, path: str) -> None:
         """Save only the LoRA adapter (peft format, loadable with ``PeftModel.from_pretrained``)."""

@@ -1,7 +1,7 @@
 """Held-out evaluation of the shipped ShapesWorld experts through the RL serve path.
 
 Loads the exported folders by path with the experts' own ``build()`` (so a LoRA adapter with B = 0
-is attached exactly as in an RL run), then generates with ``RolloutEngine`` in the deterministic
+is attached exactly as in an RL run), then generates with the RL loops in the deterministic
 ``serve`` profile: greedy refinement and the ODE sampler. Every condition uses the same per-request
 noise, so differences between conditions come from the text alone.
 """
@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 
 from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert
+from unirl_pl.generators import ComponentGenerator
+from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 from unirl_pl.rewards.shapes import ShapesGenEval
-from unirl_pl.rollout import RolloutConfig, RolloutEngine
 from unirl_pl.shapes.prompts import make_prompt_set
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "shapes"
@@ -23,12 +24,12 @@ DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "shapes"
 
 @dataclass
 class ShapesExperts:
-    """The three shipped experts, built, plus the engine that serves them."""
+    """The three shipped experts, built, plus the loops that serve them."""
 
-    transformer: FlowTransformerExpert
-    text_encoder: TextEncoderExpert
+    generator: ComponentGenerator
     llm: CausalLMExpert | None
-    engine: RolloutEngine
+    diffusion_denoise: DiffusionDenoise
+    ar_decode: ARDecode | None
 
 
 def load_experts(
@@ -36,33 +37,36 @@ def load_experts(
 ) -> ShapesExperts:
     """Build the experts from ``assets`` (``transformer/``, ``text_encoder/``, ``refiner/``) by path."""
     root = Path(assets)
-    transformer = FlowTransformerExpert(pretrained_path=str(root), subfolder="transformer")
-    text_encoder = TextEncoderExpert(pretrained_path=str(root / "text_encoder"))
+    generator = ComponentGenerator(
+        FlowTransformerExpert(pretrained_path=str(root), subfolder="transformer"),
+        TextEncoderExpert(pretrained_path=str(root / "text_encoder")),
+        vae=None,
+    )
+    generator.build()
     llm = CausalLMExpert(pretrained_path=str(root / "refiner")) if with_refiner else None
-    for expert in (transformer, text_encoder, llm):
-        if expert is not None:
-            expert.build()
+    if llm is not None:
+        llm.build()
     config = RolloutConfig(num_steps=num_steps, sde_window=(0, 1), guidance_scale=guidance_scale, max_new_tokens=16)
-    return ShapesExperts(transformer, text_encoder, llm, RolloutEngine(llm, transformer, config))
+    ar = ARDecode(llm, config) if llm is not None else None
+    return ShapesExperts(generator, llm, DiffusionDenoise(generator, config), ar)
 
 
 @torch.no_grad()
 def generate(experts: ShapesExperts, texts: list[str], seed: int = 0) -> torch.Tensor:
     """Images (N, 3, H, W) in [0, 1] for conditioning ``texts`` via the serve-profile ODE."""
-    hidden, pooled = experts.text_encoder.encode(texts)
-    uncond = experts.text_encoder.encode([""]) if experts.engine.config.guidance_scale != 1.0 else None
-    experts.engine.seed = seed
+    loop, generator = experts.diffusion_denoise, experts.generator
+    uncond = generator.encode([""]) if loop.config.guided else None
     n = len(texts)
-    x, _ = experts.engine.denoise(hidden, pooled, list(range(n)), [0] * n, "serve", uncond=uncond)
-    return ((x.float().clamp(-1, 1) + 1) / 2).clamp(0, 1)
+    x, _ = loop.sample(generator.encode(texts), list(range(n)), [0] * n, "serve", seed=seed, uncond=uncond)
+    return generator.decode(x)
 
 
 @torch.no_grad()
 def refine(experts: ShapesExperts, prompts: list[str]) -> list[str]:
     """Greedy (serve-profile) refinements of ``prompts``."""
-    if experts.llm is None:
+    if experts.ar_decode is None:
         raise ValueError("these experts were loaded without a refiner")
-    texts, _ = experts.engine.refine(prompts, list(range(len(prompts))), [0] * len(prompts), "serve")
+    texts, _ = experts.ar_decode.sample(prompts, list(range(len(prompts))), [0] * len(prompts), "serve", seed=0)
     return texts
 
 

@@ -14,9 +14,10 @@ from torch import Tensor
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.dit import FlowTransformerExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
+from unirl_pl.generators import ComponentGenerator
+from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine
 from unirl_pl.rewards.shapes import ShapesGenEval
-from unirl_pl.rollout import RolloutConfig, RolloutEngine
 
 
 def flow_targets(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,7 +38,7 @@ class FlowMatchingPretrain(pl.LightningModule):
     features are cached per caption (``train_text_encoder`` trains it jointly instead). Sigmas are
     drawn logit-normal (SD3), which spends the steps on the middle noise levels where layout and color
     are decided. A fraction of captions is replaced by the empty prompt so classifier-free guidance is
-    available later. Validation samples held-out prompts with the rollout engine's deterministic
+    available later. Validation samples held-out prompts with the RL serve path's deterministic
     ``serve`` profile (the RL serve path) and logs the verifier's strict and soft scores per category.
     At fit end both models are saved with ``save_pretrained`` under ``export_dir`` (``transformer/``
     and ``text_encoder/`` with its tokenizer).
@@ -150,16 +151,13 @@ class FlowMatchingPretrain(pl.LightningModule):
 
     @torch.no_grad()
     def sample(self, prompts: list[str], seed: int = 0, num_steps: int | None = None) -> Tensor:
-        """Images (N, 3, H, W) in [0, 1] for ``prompts`` via the rollout engine's deterministic ODE."""
-        engine = RolloutEngine(
-            None,
-            self.transformer,
-            RolloutConfig(num_steps=num_steps or self.val_num_steps, sde_window=(0, 1)),
-            seed=seed,
-        )
+        """Images (N, 3, H, W) in [0, 1] for ``prompts`` via the RL serve path's deterministic ODE."""
+        generator = ComponentGenerator(self.transformer, self.text_encoder, vae=None)
+        loop = DiffusionDenoise(generator, RolloutConfig(num_steps=num_steps or self.val_num_steps, sde_window=(0, 1)))
         hidden, pooled = self.encode(prompts)
-        x, _ = engine.denoise(hidden, pooled, list(range(len(prompts))), [0] * len(prompts), "serve")
-        return ((x.float().clamp(-1, 1) + 1) / 2).clamp(0, 1)
+        n = len(prompts)
+        x, _ = loop.sample({"hidden": hidden, "pooled": pooled}, list(range(n)), [0] * n, "serve", seed=seed)
+        return generator.decode(x)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
         images = self.sample(batch["prompts"])

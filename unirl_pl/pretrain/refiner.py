@@ -14,9 +14,9 @@ from transformers import Qwen2ForCausalLM
 
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.llm import CausalLMExpert
+from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.pretrain.common import warmup_cosine
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
-from unirl_pl.rollout import RolloutConfig, RolloutEngine
 from unirl_pl.shapes.scenes import parse_caption
 
 IGNORE = -100
@@ -57,7 +57,7 @@ class RefinerSFT(pl.LightningModule):
     is next-token cross-entropy on the canonical caption and its end token only; the user prompt is
     context. Data are train-split paraphrases, so held-out synonyms and templates stay unseen and the
     refiner is only partly right on held-out prompts, which leaves RL something to improve.
-    Validation decodes greedily with the rollout engine's ``serve`` profile (the RL serve path) and
+    Validation decodes greedily with the ``ar_decode`` loop's ``serve`` profile (the RL serve path) and
     logs exact-match and parse rates. At fit end model and tokenizer are saved with
     ``save_pretrained`` to ``export_dir/refiner``.
 
@@ -121,9 +121,9 @@ class RefinerSFT(pl.LightningModule):
 
     @torch.no_grad()
     def refine(self, prompts: list[str]) -> list[str]:
-        """Greedy refinements of ``prompts`` through the rollout engine's ``serve`` profile."""
-        engine = RolloutEngine(self.llm, None, RolloutConfig(max_new_tokens=self.max_new_tokens, sde_window=(0, 1)))
-        texts, _ = engine.refine(prompts, list(range(len(prompts))), [0] * len(prompts), "serve")
+        """Greedy refinements of ``prompts`` through the ``ar_decode`` loop's ``serve`` profile."""
+        loop = ARDecode(self.llm, RolloutConfig(max_new_tokens=self.max_new_tokens, sde_window=(0, 1)))
+        texts, _ = loop.sample(prompts, list(range(len(prompts))), [0] * len(prompts), "serve", seed=0)
         return texts
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:

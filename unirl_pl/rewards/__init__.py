@@ -15,17 +15,24 @@ from unirl_pl.rewards.builtin import (
     WeightedSum,
     jpeg_compressibility,
     jpeg_incompressibility,
+    registered_rewards,
     resolve_reward,
 )
+from unirl_pl.rewards.http import HTTPReward, RewardServerError
+from unirl_pl.rewards.ocr import OCRReward
 
 __all__ = [
     "REGISTRY",
     "Brightness",
     "ContainsWord",
+    "HTTPReward",
+    "OCRReward",
     "RefinerFormat",
     "RewardFn",
+    "RewardServerError",
     "WeightedSum",
     "jpeg_compressibility",
     "jpeg_incompressibility",
+    "registered_rewards",
     "resolve_reward",
 ]

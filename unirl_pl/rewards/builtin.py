@@ -122,6 +122,28 @@ def _shapes_geneval(**kwargs: Any) -> RewardFn:
 REGISTRY["shapes_geneval"] = _shapes_geneval
 
 
+def _ocr(**kwargs: Any) -> RewardFn:
+    # Imported on use: rapidocr-onnxruntime is an optional extra (pip install -e .[ocr]).
+    from unirl_pl.rewards.ocr import OCRReward
+
+    return OCRReward(**kwargs)
+
+
+def _http(**kwargs: Any) -> RewardFn:
+    from unirl_pl.rewards.http import HTTPReward
+
+    return HTTPReward(**kwargs)
+
+
+REGISTRY["ocr"] = _ocr
+REGISTRY["http"] = _http
+
+
+def registered_rewards() -> list[str]:
+    """The names a recipe can use without a dotted path, sorted."""
+    return sorted(REGISTRY)
+
+
 def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
     """A reward from its registry name or dotted path; classes are instantiated with ``kwargs``.
 

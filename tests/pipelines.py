@@ -1,0 +1,228 @@
+"""Builders of tiny random diffusers pipeline folders for tests, made offline with the real classes.
+
+Each ``make_*_pipeline(path)`` assembles the family's real diffusers pipeline (``StableDiffusion3Pipeline``,
+``FluxPipeline``, ``WanPipeline``) from tiny randomly initialised components (widths 8-32, one or two
+layers, tokenizers over a few hundred tokens) and ``save_pretrained``s it to ``path``, so the folder has
+the same layout and ``model_index.json`` as a hub checkpoint and loads with ``from_pretrained``. Weights
+come from a fixed seed without disturbing the caller's RNG; every builder runs in a few seconds on CPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5Tokenizer,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from unirl_pl.experts._common import seeded_cpu_init
+
+# CLIP's context length: the SD3 and FLUX pipelines pad CLIP prompts to ``tokenizer.model_max_length``.
+CLIP_LENGTH = 77
+# Pixel sizes the tiny pipelines are meant for (any multiple of the latent grid works).
+IMAGE_SIZE = 32
+VIDEO_SIZE = 16
+VIDEO_FRAMES = 5
+_WORDS = "a an the red green blue cat dog circle square photo of on left right big small".split()
+
+
+def clip_tokenizer() -> CLIPTokenizer:
+    """A byte-level CLIP BPE tokenizer with no merges: every byte is a token (with and without the
+    end-of-word suffix), so any text tokenizes without an unknown token, all offline."""
+    symbols = list(bytes_to_unicode().values())
+    vocab = {token: i for i, token in enumerate([*symbols, *(s + "</w>" for s in symbols)])}
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=CLIP_LENGTH)
+
+
+def t5_tokenizer() -> T5Tokenizer:
+    """A T5 unigram tokenizer over a few words and single letters (``<pad>``=0, ``</s>``=1, ``<unk>``=2,
+    no sentinel tokens), used for T5 and UMT5 encoders alike."""
+    pieces = ["<pad>", "</s>", "<unk>", "▁"]
+    pieces += [f"▁{word}" for word in _WORDS] + list("abcdefghijklmnopqrstuvwxyz")
+    vocab = [(piece, 0.0 if i < 3 else -float(len(piece) < 3) - 1.0) for i, piece in enumerate(pieces)]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
+
+
+def _clip(hidden: int, projection: bool, seed: int) -> CLIPTextModel | CLIPTextModelWithProjection:
+    tokenizer = clip_tokenizer()
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        projection_dim=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=CLIP_LENGTH,
+        # CLIP pools at the first end-of-text token; the legacy id 2 would switch it to argmax pooling.
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with seeded_cpu_init(seed):
+        return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
+
+
+def _t5_config(cls: type[T5Config], d_model: int) -> T5Config:
+    return cls(
+        vocab_size=len(t5_tokenizer()),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+
+
+def _image_vae(seed: int) -> AutoencoderKL:
+    """A 2x-downsampling ``AutoencoderKL`` with 4 latent channels and a non-trivial scale and shift."""
+    with seeded_cpu_init(seed):
+        return AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[8, 8],
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+            # Not 1 and 0, so that decode's un-scaling (latents / scaling + shift) is exercised.
+            scaling_factor=1.5,
+            shift_factor=0.1,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+        ).eval()
+
+
+def make_sd3_pipeline(path: str | Path, with_t5: bool = True, seed: int = 0) -> Path:
+    """Save a tiny ``StableDiffusion3Pipeline`` (two CLIPs of widths 8 and 16, a T5 of width 32 unless
+    ``with_t5`` is false, a 2x VAE, a one-layer MMDiT) to ``path`` and return it."""
+    with seeded_cpu_init(seed):
+        transformer = SD3Transformer2DModel(
+            sample_size=IMAGE_SIZE // 2,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=32,
+            caption_projection_dim=32,
+            pooled_projection_dim=8 + 16,
+            pos_embed_max_size=IMAGE_SIZE,
+        )
+        t5 = T5EncoderModel(_t5_config(T5Config, 32)).eval() if with_t5 else None
+    pipe = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_image_vae(seed + 1),
+        text_encoder=_clip(8, True, seed + 2),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=_clip(16, True, seed + 3),
+        tokenizer_2=clip_tokenizer(),
+        text_encoder_3=t5,
+        tokenizer_3=t5_tokenizer() if with_t5 else None,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int = 0) -> Path:
+    """Save a tiny ``FluxPipeline`` (CLIP width 16, T5 width 32, 2x VAE with 4 channels, one double and
+    one single block; ``guidance_embeds`` true is FLUX.1-dev-like, false schnell-like) and return it."""
+    with seeded_cpu_init(seed):
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4 * 4,  # 2x2-packed 4-channel latents
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 6, 6),
+        )
+        t5 = T5EncoderModel(_t5_config(T5Config, 32)).eval()
+    pipe = FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
+        vae=_image_vae(seed + 1),
+        text_encoder=_clip(16, False, seed + 2),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=t5,
+        tokenizer_2=t5_tokenizer(),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+def make_wan_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Wan2.1-style ``WanPipeline`` (UMT5 width 32, a causal 3D VAE with 4x spatial and 2x
+    temporal compression and 4 latent channels, a one-layer ``WanTransformer3DModel``) and return it."""
+    with seeded_cpu_init(seed):
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=1,
+            rope_max_seq_len=32,
+        )
+        text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, 32)).eval()
+        vae = AutoencoderKLWan(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.5, 2.0, 1.0],
+            scale_factor_temporal=2,
+            scale_factor_spatial=4,
+        ).eval()
+    pipe = WanPipeline(
+        tokenizer=t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.Tensor:
+    """Standard-normal float32 latents (batch, *shape) from a private generator."""
+    return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))

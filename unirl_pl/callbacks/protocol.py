@@ -1,0 +1,50 @@
+"""What the gates need from the LightningModule, stated as protocols and checked in ``setup()``.
+
+A gate reads the module only through these names, so any module that offers them (the RL trainer or
+a user's own) can be gated, and one that does not is refused at setup with the missing names listed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+
+class RecomputingModule(Protocol):
+    """A module that can re-score its behavior records (what the C2 gate checks)."""
+
+    trained: list[str]
+
+    def recompute_logprobs(self, exp: Any) -> dict[str, tuple[Tensor, Tensor, Tensor]]: ...
+
+    def loss_settings(self, name: str) -> Any: ...
+
+    def experts(self) -> dict[str, Any]: ...
+
+
+class SamplingModule(Protocol):
+    """A module whose loops can be probed batched vs serially (what the interleave-parity gate runs)."""
+
+    ar_decode: Any
+    diffusion_denoise: Any
+    generator: Any
+
+
+class VersionedModule(Protocol):
+    """A module with per-component weight versions (what the ledger gate checks)."""
+
+    trained: list[str]
+    ledger: Any
+
+
+def require(gate: pl.Callback, pl_module: pl.LightningModule, protocol: type) -> None:
+    """Raise ``TypeError`` naming the gate and every attribute of ``protocol`` that ``pl_module`` lacks."""
+    names = [n for n in (*getattr(protocol, "__annotations__", {}), *vars(protocol)) if not n.startswith("_")]
+    missing = sorted({n for n in names if not hasattr(pl_module, n)})
+    if missing:
+        raise TypeError(
+            f"{type(gate).__name__} needs a module that offers {', '.join(missing)} ({protocol.__name__}); "
+            f"{type(pl_module).__name__} does not"
+        )

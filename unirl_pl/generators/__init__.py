@@ -1,0 +1,50 @@
+"""Flow-matching generators behind one interface: ``latent_shape``, ``encode(texts) -> Cond``,
+``velocity(latents, sigma, cond)``, ``decode(latents)``, ``adapter_disabled()`` and the trainable
+``expert``. ``ComponentGenerator`` assembles the project's own configured parts; the families load
+from diffusers pipeline folders (``FlowGenerator``): SD3 / SD3.5, FLUX.1 dev and schnell, Wan2.1 /
+Wan2.2 text-to-video."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from unirl_pl.generators.base import Cond, FlowGenerator, read_model_index
+from unirl_pl.generators.components import ComponentGenerator, pixels_to_images
+from unirl_pl.generators.flux import FluxGenerator
+from unirl_pl.generators.sd3 import SD3Generator
+from unirl_pl.generators.wan import WanGenerator
+
+GENERATORS: dict[str, type[FlowGenerator]] = {
+    cls.pipeline_class.__name__: cls for cls in (SD3Generator, FluxGenerator, WanGenerator)
+}
+"""Generator class per diffusers pipeline class name (``model_index.json`` ``_class_name``)."""
+
+
+def load_generator(pipeline_path: str | Path, **kwargs: Any) -> FlowGenerator:
+    """Create (not yet ``build()``) the generator for a local diffusers pipeline folder, picked by the
+    ``_class_name`` of its ``model_index.json``; ``kwargs`` go to the generator's constructor.
+
+    Raises ``FileNotFoundError`` when the folder or its ``model_index.json`` is missing and
+    ``ValueError`` listing the supported pipeline classes for any other pipeline.
+    """
+    name = read_model_index(pipeline_path).get("_class_name")
+    if name not in GENERATORS:
+        raise ValueError(
+            f"{str(pipeline_path)!r} holds a {name!r} pipeline, which no generator supports; "
+            f"supported pipeline classes: {', '.join(sorted(GENERATORS))}"
+        )
+    return GENERATORS[name](str(pipeline_path), **kwargs)
+
+
+__all__ = [
+    "GENERATORS",
+    "ComponentGenerator",
+    "Cond",
+    "FlowGenerator",
+    "FluxGenerator",
+    "SD3Generator",
+    "WanGenerator",
+    "load_generator",
+    "pixels_to_images",
+]

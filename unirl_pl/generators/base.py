@@ -1,0 +1,462 @@
+"""The family-agnostic generator interface: a diffusers flow-matching pipeline folder seen as
+``encode`` (texts -> conditioning), ``velocity`` (the trainable LoRA-adapted transformer) and ``decode``
+(latents -> pixels), plus the shared loading, LoRA and adapter-export code of every family."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKL, DiffusionPipeline, ModelMixin
+from peft import LoraConfig, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from unirl_pl.experts._common import (
+    check_positive,
+    freeze,
+    preserved_requires_grad,
+    resolve_dtype,
+    seeded_cpu_init,
+)
+from unirl_pl.records import Cond
+
+LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
+# Both set LoRA ``B`` to zero, so the adapted model starts exactly equal to the reference policy;
+# ``gaussian`` (A ~ N(0, 1/r)) is what Flow-GRPO uses.
+LORA_INITS: dict[str, bool | str] = {"gaussian": "gaussian", "default": True}
+# The q/k/v/out projections of both streams of an MMDiT joint attention (SD3, FLUX). Flow-GRPO's SD3.5
+# targets; the ``attn.`` prefix leaves the extra ``attn2`` of SD3.5's dual-attention blocks alone, and
+# FLUX's single blocks match on their q/k/v.
+JOINT_ATTENTION_LORA_TARGETS: tuple[str, ...] = (
+    "attn.add_k_proj",
+    "attn.add_q_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+    "attn.to_k",
+    "attn.to_out.0",
+    "attn.to_q",
+    "attn.to_v",
+)
+
+
+def read_model_index(pipeline_path: str | Path) -> dict[str, Any]:
+    """Read ``model_index.json`` of a local diffusers pipeline folder, raising ``FileNotFoundError``
+    that says what is missing when the folder or its index does not exist (nothing is downloaded)."""
+    folder = Path(pipeline_path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"pipeline_path {str(pipeline_path)!r} is not a folder: pass a local diffusers pipeline folder "
+            "(as written by DiffusionPipeline.save_pretrained or downloaded beforehand); nothing is downloaded"
+        )
+    index = folder / "model_index.json"
+    if not index.is_file():
+        raise FileNotFoundError(
+            f"{str(folder)!r} has no model_index.json, so it is not a diffusers pipeline folder "
+            "(point pipeline_path at the folder that holds model_index.json, transformer/, vae/, ...)"
+        )
+    return json.loads(index.read_text())
+
+
+def has_component(index: dict[str, Any], name: str) -> bool:
+    """Whether the pipeline index declares component ``name``; ``save_pretrained`` writes an absent
+    optional component as ``[null, null]``."""
+    entry = index.get(name)
+    return isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] is not None
+
+
+class FlowGenerator(torch.nn.Module, ABC):
+    """A flow-matching text-to-image/video generator loaded from a diffusers pipeline folder.
+
+    The constructor only records and validates its arguments; ``build()`` loads the pipeline's
+    tokenizers, text encoders and VAE (frozen, always in eval mode) and its transformer as ``model``
+    (frozen base plus a trainable float32 LoRA adapter). The sampler and losses see only the
+    family-agnostic surface: ``latent_shape`` (per sample, no batch dim), ``encode(texts) -> Cond``,
+    ``velocity(latents, sigma, cond)`` predicting ``v = noise - x0`` at noise level ``sigma`` in [0, 1]
+    (``x_sigma = (1 - sigma) * x0 + sigma * noise``), ``decode(latents)`` to pixels in [0, 1], and the
+    reference policy ``adapter_disabled()``. ``save_adapter`` writes the LoRA in the format the family's
+    own diffusers pipeline reads with ``load_lora_weights``.
+
+    Args:
+        pipeline_path: Local diffusers pipeline folder (the one holding ``model_index.json``).
+        lora_rank: LoRA rank ``r`` (>= 1).
+        lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
+        lora_target_modules: Module names (suffixes) that get LoRA; ``None`` means the family's
+            ``default_lora_targets``.
+        dtype: Dtype of the frozen base weights (transformer and text encoders): ``bfloat16`` or
+            ``float32`` (``float16`` is accepted too); LoRA weights are always float32.
+        gradient_checkpointing: Recompute the transformer blocks' activations in the backward pass.
+        height: Sample height in pixels; ``None`` means the family default.
+        width: Sample width in pixels; ``None`` means the family default.
+        num_frames: Video families only: frames per sample in pixel space; ``None`` means the default.
+        max_sequence_length: Tokens of the T5-style text encoder (padded and truncated to exactly this);
+            ``None`` means the family's pipeline default.
+        lora_init: ``gaussian`` or ``default`` (Kaiming-uniform ``A``); both start with ``B = 0``.
+        vae_dtype: Dtype of the VAE; ``None`` means ``dtype``.
+        init_seed: Seed of the LoRA initialization (drawn without disturbing the global RNG).
+    """
+
+    family: ClassVar[str]
+    pipeline_class: ClassVar[type[DiffusionPipeline]]
+    transformer_class: ClassVar[type[ModelMixin]]
+    vae_class: ClassVar[type[ModelMixin]]
+    default_lora_targets: ClassVar[tuple[str, ...]]
+    default_size: ClassVar[tuple[int, int, int]]  # (height, width, num_frames) in pixels
+    default_max_sequence_length: ClassVar[int]
+
+    def __init__(
+        self,
+        pipeline_path: str | None = None,
+        lora_rank: int = 32,
+        lora_alpha: float = 64.0,
+        lora_target_modules: list[str] | None = None,
+        dtype: str = "bfloat16",
+        gradient_checkpointing: bool = False,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int | None = None,
+        max_sequence_length: int | None = None,
+        lora_init: str = "gaussian",
+        vae_dtype: str | None = None,
+        init_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+        if lora_target_modules is not None and not lora_target_modules:
+            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
+        if lora_init not in LORA_INITS:
+            raise ValueError(f"lora_init must be one of {sorted(LORA_INITS)}, got {lora_init!r}")
+        default_height, default_width, default_frames = self.default_size
+        # ``is None`` rather than ``or``: an explicit 0 must reach the positivity check, not the default.
+        height = default_height if height is None else height
+        width = default_width if width is None else width
+        num_frames = default_frames if num_frames is None else num_frames
+        if not self.is_video and num_frames != 1:
+            raise ValueError(f"num_frames must be 1 (or null) for the image family {self.family!r}, got {num_frames}")
+        if max_sequence_length is None:
+            max_sequence_length = self.default_max_sequence_length
+        check_positive(
+            lora_alpha=lora_alpha,
+            height=height,
+            width=width,
+            num_frames=num_frames,
+            max_sequence_length=max_sequence_length,
+        )
+        # May come later from the trainer's ``model.pipeline_path``; nothing reads it before ``build()``.
+        self.pipeline_path = str(pipeline_path) if pipeline_path else None
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha
+        self.lora_target_modules = list(lora_target_modules or self.default_lora_targets)
+        self.dtype = resolve_dtype(dtype)
+        self.vae_dtype = resolve_dtype(vae_dtype) if vae_dtype else self.dtype
+        self.gradient_checkpointing = gradient_checkpointing
+        self.height, self.width, self.num_frames = height, width, num_frames
+        self.max_sequence_length = max_sequence_length
+        self.lora_init = lora_init
+        self.init_seed = init_seed
+        self.model: ModelMixin | None = None
+        self.vae: ModelMixin | None = None
+        self._latent_shape: tuple[int, ...] | None = None
+
+    # ------------------------------------------------------------------ family hooks
+
+    @abstractmethod
+    def _compute_latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape from the folder's configs; raise ``ValueError`` naming the size
+        argument that does not fit the VAE/patch grid."""
+
+    @abstractmethod
+    def _load_text(self, index: dict[str, Any]) -> None:
+        """Load the family's tokenizers and frozen text encoders from the pipeline folder."""
+
+    @abstractmethod
+    def _encode(self, texts: list[str]) -> Cond:
+        """Encode ``texts`` (called without gradients); any float dtype, ``encode`` casts to float32."""
+
+    @abstractmethod
+    def _forward(self, transformer: ModelMixin, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond) -> torch.Tensor:
+        """Run ``transformer`` on ``latents`` (already in its dtype) at float32 ``sigma`` (B,) with
+        ``cond`` (in its dtype) and return the velocity in the shape of ``latents``."""
+
+    @abstractmethod
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode VAE-dtype latents to pixels in [-1, 1] in the final layout (images (N, 3, H, W),
+        videos (N, F, 3, H, W))."""
+
+    def _check_index(self, index: dict[str, Any]) -> None:
+        """Reject pipeline variants this generator does not support (before anything is loaded)."""
+
+    # ------------------------------------------------------------------ loading
+
+    has_vae = True
+
+    @property
+    def expert(self) -> FlowGenerator:
+        """The trainable part (card component ``transformer``): the generator itself, whose ``model`` is the
+        LoRA-adapted transformer."""
+        return self
+
+    def _folder(self) -> str:
+        if not self.pipeline_path:
+            raise ValueError(
+                f"{type(self).__name__} needs a diffusers pipeline folder: set model.pipeline_path=PATH "
+                "(or the generator's pipeline_path)"
+            )
+        return self.pipeline_path
+
+    @property
+    def is_video(self) -> bool:
+        """Whether samples are videos: latents (C, F, H, W) and decoded (F, 3, H, W)."""
+        return False
+
+    @property
+    def is_built(self) -> bool:
+        """Whether ``build()`` has loaded the components."""
+        return self.model is not None
+
+    def read_config(self, subfolder: str) -> dict[str, Any]:
+        """The ``config.json`` of one component folder of the pipeline (works before ``build()``)."""
+        file = Path(self._folder()) / subfolder / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{str(file)!r} is missing: the pipeline folder has no {subfolder!r} component")
+        return json.loads(file.read_text())
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape, no batch dim: ``(C, H, W)`` for images, ``(C, F, H, W)`` for video,
+        from the sample size in pixels and the folder's VAE and transformer configs."""
+        if self._latent_shape is None:
+            read_model_index(self._folder())
+            self._latent_shape = self._compute_latent_shape()
+        return self._latent_shape
+
+    def _load(self, cls: type, subfolder: str, dtype: torch.dtype) -> Any:
+        """``cls.from_pretrained`` of one component folder in ``dtype`` (diffusers and transformers
+        spell the dtype argument differently); ``torch_dtype`` rather than ``.to`` keeps the modules a
+        model pins to float32 in float32."""
+        key = "torch_dtype" if issubclass(cls, ModelMixin) else "dtype"
+        return cls.from_pretrained(self.pipeline_path, subfolder=subfolder, **{key: dtype})
+
+    def _load_frozen(self, cls: type, subfolder: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        return freeze(self._load(cls, subfolder, dtype or self.dtype))
+
+    def _load_tokenizer(self, subfolder: str) -> PreTrainedTokenizerBase:
+        return AutoTokenizer.from_pretrained(self.pipeline_path, subfolder=subfolder)
+
+    def lora_config(self) -> LoraConfig:
+        """The peft ``LoraConfig`` of the transformer's adapter (peft's defaults ``lora_dropout=0`` and
+        ``bias="none"`` keep it deterministic and bias-free)."""
+        init, targets = LORA_INITS[self.lora_init], self.lora_target_modules
+        return LoraConfig(r=self.lora_rank, lora_alpha=self.lora_alpha, target_modules=targets, init_lora_weights=init)
+
+    def build(self) -> None:
+        """Load every component from the pipeline folder and attach the LoRA adapter; idempotent.
+
+        Raises ``FileNotFoundError`` for a missing folder or index, ``ValueError`` when the folder holds
+        another pipeline class or the sample size does not fit the latent grid, ``NotImplementedError``
+        for unsupported variants of the family.
+        """
+        if self.is_built:
+            return
+        index = read_model_index(self._folder())
+        expected = self.pipeline_class.__name__
+        if index.get("_class_name") != expected:
+            raise ValueError(
+                f"{self.pipeline_path!r} holds a {index.get('_class_name')!r}, but {type(self).__name__} loads "
+                f"{expected} folders (use unirl_pl.generators.load_generator to pick the class)"
+            )
+        self._check_index(index)
+        self.latent_shape  # noqa: B018 - validates height/width/num_frames before the slow loading
+        # Pinned to CPU and float32 defaults even inside a meta/cuda device context (Lightning's
+        # configure_model), and the LoRA init draws from a fixed seed without moving the caller's RNG.
+        with seeded_cpu_init(self.init_seed):
+            self._load_text(index)
+            self.vae = self._load_frozen(self.vae_class, "vae", self.vae_dtype)
+            model = self._load(self.transformer_class, "transformer", self.dtype)
+            model.requires_grad_(False)
+            model.add_adapter(self.lora_config())
+        # Optimizer states and small LoRA updates need float32 even when the base runs in bf16; peft
+        # casts activations to the LoRA weight dtype and the result back.
+        for param in model.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()
+        if self.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        self.model = model
+
+    def _require_built(self) -> ModelMixin:
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}.build() must be called before using the generator")
+        return self.model
+
+    def train(self, mode: bool = True) -> FlowGenerator:
+        """Switch the transformer to ``mode`` but keep every frozen component in eval mode."""
+        super().train(mode)
+        for child in self.children():
+            if child is not self.model:
+                child.eval()
+        return self
+
+    # ------------------------------------------------------------------ the generator surface
+
+    @staticmethod
+    def _token_ids(
+        tokenizer: PreTrainedTokenizerBase, texts: list[str], max_length: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask (B, max_length): truncated and right-padded to exactly
+        ``max_length`` as the diffusers pipelines do, so a row never depends on the rest of the batch."""
+        batch = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt")
+        return batch.input_ids.to(device), batch.attention_mask.to(device)
+
+    def _clip_output(self, tokenizer: PreTrainedTokenizerBase, encoder: torch.nn.Module, texts: list[str]) -> Any:
+        """CLIP text model output with all hidden states, on prompts padded to CLIP's context length
+        (``tokenizer.model_max_length``, 77 for the real models) and no attention mask, as diffusers does."""
+        length = min(tokenizer.model_max_length, encoder.config.max_position_embeddings)
+        ids, _ = self._token_ids(tokenizer, texts, length, encoder.device)
+        return encoder(ids, output_hidden_states=True)
+
+    def _t5_states(
+        self, tokenizer: PreTrainedTokenizerBase, encoder: torch.nn.Module, texts: list[str], masked: bool = False
+    ) -> torch.Tensor:
+        """Last hidden states (B, max_sequence_length, D) of a T5-style encoder. ``masked`` passes the
+        attention mask and zeroes the padding positions (Wan); otherwise the padding is attended to and
+        kept (SD3, FLUX), each as the family's pipeline does."""
+        ids, mask = self._token_ids(tokenizer, texts, self.max_sequence_length, encoder.device)
+        if not masked:
+            return encoder(ids).last_hidden_state
+        states = encoder(ids, attention_mask=mask).last_hidden_state
+        return states * mask.unsqueeze(-1).to(states.dtype)
+
+    def encode(self, texts: list[str]) -> Cond:
+        """Encode ``texts`` through the pipeline's own tokenizers and text encoders, without gradients,
+        to float32 tensors of fixed shapes (padded to the maximum lengths), so a text's row is the same
+        whatever else is in the batch."""
+        self._require_built()
+        if isinstance(texts, str) or not texts:
+            raise ValueError("texts must be a non-empty list of strings")
+        with torch.no_grad():
+            cond = self._encode(list(texts))
+        return {key: value.float() for key, value in cond.items()}
+
+    def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond) -> torch.Tensor:
+        """Flow velocity ``v = noise - x0`` (float32, shape of ``latents``) of the LoRA-adapted model for
+        ``latents`` (B, *latent_shape) at noise level ``sigma`` (B,) or a scalar in [0, 1], given
+        ``cond`` from ``encode``. Inputs are cast to the model dtype; no operation mixes samples."""
+        return self.velocity_of(self._require_built(), latents, sigma, cond)
+
+    def velocity_of(
+        self, transformer: ModelMixin, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond
+    ) -> torch.Tensor:
+        """``velocity`` through another transformer of the same family (e.g. the one of a diffusers
+        pipeline that loaded the exported adapter), with exactly the same input conventions."""
+        batch = latents.shape[0]
+        if tuple(latents.shape[1:]) != self.latent_shape:
+            raise ValueError(f"latents must be (B, *{self.latent_shape}), got {tuple(latents.shape)}")
+        sigma = torch.as_tensor(sigma, dtype=torch.float32, device=latents.device)
+        if sigma.numel() == 1:
+            sigma = sigma.reshape(1).expand(batch)
+        if tuple(sigma.shape) != (batch,):
+            raise ValueError(f"sigma must be a scalar or of shape ({batch},), got {tuple(sigma.shape)}")
+        dtype = transformer.dtype
+        cond = {key: value.to(dtype) for key, value in cond.items()}
+        return self._forward(transformer, latents.to(dtype), sigma, cond).float()
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode latents (N, *latent_shape) to float32 pixels in [0, 1], without gradients: images
+        (N, 3, H, W), videos (N, F, 3, H, W), undoing the family's latent scaling first."""
+        self._require_built()
+        with torch.no_grad():
+            pixels = self._decode(latents.to(self.vae.dtype))
+        return ((pixels.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+    # ------------------------------------------------------------------ the adapter
+
+    @contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """Context in which ``velocity`` is the frozen reference policy (LoRA bypassed). Every
+        parameter's ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
+        model = self._require_built()
+        nested = any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
+        with ExitStack() as stack:
+            if not nested:  # an outer context re-enables on its own exit
+                # Exits run in reverse: re-enable first (peft turns LoRA grads on), then restore the flags.
+                stack.enter_context(preserved_requires_grad(model))
+                model.disable_adapters()
+                stack.callback(model.enable_adapters)
+            yield
+
+    def save_adapter(self, path: str) -> None:
+        """Write ``path/pytorch_lora_weights.safetensors`` with the family pipeline's own
+        ``save_lora_weights`` (``transformer.``-prefixed peft keys plus the LoRA config as metadata, so
+        the scaling survives), which ``<FamilyPipeline>.from_pretrained(...).load_lora_weights(path)``
+        reads as is."""
+        model = self._require_built()
+        self.pipeline_class.save_lora_weights(
+            path,
+            transformer_lora_layers=get_peft_model_state_dict(model),
+            transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
+        )
+
+    def load_adapter(self, path: str) -> None:
+        """Load LoRA weights written by ``save_adapter`` (a folder or the file) into the adapter in
+        place, raising ``ValueError`` when they do not match this model's adapter."""
+        model = self._require_built()
+        file = Path(path)
+        file = file / LORA_WEIGHTS_FILE if file.is_dir() else file
+        device = str(next(model.parameters()).device)
+        weights = {
+            key.split(".", 1)[1]: tensor
+            for key, tensor in load_file(str(file), device=device).items()
+            if key.startswith(f"{self.pipeline_class.transformer_name}.")
+        }
+        result = set_peft_model_state_dict(model, weights)
+        missing = sorted(key for key in result.missing_keys if "lora_" in key)
+        if not weights or missing or result.unexpected_keys:
+            raise ValueError(
+                f"adapter at {path!r} does not match this {self.family} adapter: {len(weights)} tensors, "
+                f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+            )
+
+
+class ImageFlowGenerator(FlowGenerator):
+    """Shared part of the image families (SD3, FLUX): an ``AutoencoderKL`` with ``scaling_factor`` and
+    ``shift_factor`` and latents ``(C, height / f, width / f)`` with ``f = 2 ** (levels - 1)``."""
+
+    vae_class = AutoencoderKL
+    default_size = (1024, 1024, 1)
+
+    @abstractmethod
+    def _latent_channels(self, transformer_config: dict[str, Any]) -> int:
+        """Latent channels of the VAE latents (before any packing) from the transformer config."""
+
+    @abstractmethod
+    def _grid_multiple(self, transformer_config: dict[str, Any]) -> int:
+        """Latent pixels the transformer groups into one token along each side (patch or 2x2 pack)."""
+
+    def vae_scale_factor(self) -> int:
+        """Image pixels per latent pixel along each side, as the diffusers image pipelines compute it."""
+        return 2 ** (len(self.read_config("vae")["block_out_channels"]) - 1)
+
+    def _compute_latent_shape(self) -> tuple[int, ...]:
+        transformer_config = self.read_config("transformer")
+        factor = self.vae_scale_factor()
+        multiple = factor * self._grid_multiple(transformer_config)
+        for name, size in (("height", self.height), ("width", self.width)):
+            if size % multiple:
+                raise ValueError(
+                    f"{name} ({size}) must be a multiple of {multiple} pixels for this {self.family} pipeline"
+                )
+        return (self._latent_channels(transformer_config), self.height // factor, self.width // factor)
+
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.vae.config
+        latents = latents / config.scaling_factor + (config.shift_factor or 0.0)
+        return self.vae.decode(latents, return_dict=False)[0]

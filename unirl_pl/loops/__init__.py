@@ -1,0 +1,8 @@
+"""The two loops of the design, each sampled in a profile (``serve``, ``rollout``) and re-scored for
+training: ``ar_decode`` (the refiner's tokens) and ``diffusion_denoise`` (the flow sampler)."""
+
+from unirl_pl.loops.ar_decode import ARDecode
+from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
+from unirl_pl.loops.diffusion_denoise import DiffusionDenoise
+
+__all__ = ["ARDecode", "DiffusionDenoise", "Profile", "RolloutConfig", "chunk_bounds"]

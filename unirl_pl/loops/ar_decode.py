@@ -1,0 +1,136 @@
+"""``ar_decode``: the refiner's token loop, sampled in a profile and re-scored for training.
+
+Rollout samples token by token with a KV cache and records each token's log-prob under the exact
+sampling distribution (temperature and top-k applied). ``score`` (the ``train`` profile) recomputes the
+same log-probs teacher-forced under the current weights, with the record's own mask, positions and
+sampling settings: any of these differing from rollout would bias the PPO ratio, which the C2 gate
+catches. Only generated tokens are recorded and scored; the prompt (and any chat template around it)
+is context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+from unirl_pl.distributed import agree_max
+from unirl_pl.loops.config import Profile, RolloutConfig
+from unirl_pl.records import LMRecord
+from unirl_pl.seeding import STREAM_LM, sample_generators
+
+
+def process_logits(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
+    """The sampling distribution's logits: divided by temperature, all but the top-k set to -inf."""
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
+
+
+def positions(mask: Tensor) -> Tensor:
+    """Position ids of a left-padded batch: counting starts at each row's first real token."""
+    return (mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+class ARDecode:
+    """The ``ar_decode`` loop over one causal-LM expert (anything with ``tokenizer``, ``eos_token_id``,
+    ``pad_token_id`` and a ``forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)``).
+
+    Args:
+        llm: The refiner expert.
+        config: Sampling settings (``max_new_tokens``, ``temperature``, ``top_k``).
+    """
+
+    def __init__(self, llm: Any, config: RolloutConfig) -> None:
+        self.llm, self.config = llm, config
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: Sequence[str],
+        request_ids: Sequence[int],
+        sample_indices: Sequence[int],
+        profile: Profile,
+        *,
+        seed: int,
+        version: int = 0,
+    ) -> tuple[list[str], LMRecord]:
+        """Refine each prompt: ``serve`` decodes greedily, ``rollout`` samples; both return the record.
+
+        Each sample's tokens come from its own generator (:mod:`unirl_pl.seeding`), so they do not
+        depend on the batch. The loop stops when every sequence on every rank has ended.
+        """
+        cfg, llm = self.config, self.llm
+        device = next(llm.parameters()).device
+        enc = llm.tokenize_requests(list(prompts))
+        ids, mask = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        n, prompt_len = ids.shape
+        greedy = profile == "serve"
+        temperature = 1.0 if greedy else cfg.temperature
+        top_k = None if greedy else cfg.top_k
+        gens = sample_generators(seed, request_ids, sample_indices, STREAM_LM)
+        eos, pad = llm.eos_token_id, llm.pad_token_id
+
+        cache = DynamicCache()
+        out = llm(
+            input_ids=ids, attention_mask=mask, position_ids=positions(mask), past_key_values=cache, use_cache=True
+        )
+        next_pos = positions(mask)[:, -1:] + 1
+        finished = torch.zeros(n, dtype=torch.bool, device=device)
+        tokens, logps, live = [], [], []
+        for step in range(cfg.max_new_tokens):
+            logits = process_logits(out.logits[:, -1], temperature, top_k)
+            logp_all = torch.log_softmax(logits, dim=-1)
+            if greedy:
+                tok_t = logits.argmax(-1)
+            else:
+                probs = logp_all.exp()
+                draws = [torch.multinomial(probs[i].cpu(), 1, generator=gens[i]) for i in range(n)]
+                tok_t = torch.cat(draws).to(device)
+            tok_t = torch.where(finished, torch.full_like(tok_t, pad), tok_t)
+            live.append(~finished)
+            logps.append(logp_all.gather(-1, tok_t[:, None])[:, 0])
+            tokens.append(tok_t)
+            finished = finished | (tok_t == eos)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            # Stop only when every rank's sequences have ended: sharded forwards must stay in step.
+            if step == cfg.max_new_tokens - 1 or not agree_max(int(not bool(finished.all())), device):
+                break
+            out = llm(
+                input_ids=tok_t[:, None],
+                attention_mask=mask,
+                position_ids=next_pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+        gen = torch.stack(tokens, dim=1)
+        gen_mask = torch.stack(live, dim=1)
+        record = LMRecord(
+            input_ids=torch.cat([ids, gen], dim=1),
+            attention_mask=mask,
+            prompt_len=prompt_len,
+            gen_mask=gen_mask,
+            old_logp=torch.stack(logps, dim=1) * gen_mask,
+            rows=torch.arange(n),
+            temperature=temperature,
+            top_k=top_k,
+            version=version,
+        )
+        replies = [llm.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen, gen_mask, strict=True)]
+        texts, record.fell_back = llm.parse_replies(replies, list(prompts))
+        return texts, record
+
+    def score(self, record: LMRecord) -> Tensor:
+        """Teacher-forced log-probs of the recorded tokens under the current weights, (R, T), zero where masked."""
+        mask = record.attention_mask
+        out = self.llm(input_ids=record.input_ids, attention_mask=mask, position_ids=positions(mask))
+        p = record.prompt_len
+        logits = process_logits(out.logits[:, p - 1 : -1], record.temperature, record.top_k)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, record.gen_ids[..., None])[..., 0]
+        return torch.where(record.gen_mask, logp, torch.zeros_like(logp))

@@ -1,0 +1,71 @@
+"""How the two loops sample: the settings shared by rollout, serving and the training recompute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Profile = Literal["serve", "rollout"]
+"""``serve``: no grad, greedy tokens, ODE (deterministic). ``rollout``: no grad, sampled tokens and the SDE
+inside the window, behavior captured. The third profile, ``train``, is each loop's ``score`` method: it
+recomputes a record's log-probs with grad under the current weights."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How the loops sample.
+
+    Args:
+        max_new_tokens: Most tokens the refiner generates per refinement.
+        temperature: LM sampling temperature in the ``rollout`` profile (the recompute applies the same).
+        top_k: Keep only the k most likely tokens when sampling (None: the full vocabulary).
+        num_steps: Denoising steps of the flow sampler.
+        shift: SD3-style schedule shift (1.0 is linear).
+        noise_level: Flow-GRPO's SDE noise scale ``a`` inside the window (0 is the ODE).
+        sde_window: ``[start, end)`` step indices run as SDE and trained; ODE elsewhere.
+        micro_batch_size: Images per DiT forward in rollout and in the recompute (None: all at once).
+            Both use the same chunks, which keeps batch-variant kernels from breaking the log-prob identity.
+        guidance_scale: Classifier-free guidance scale (1.0 disables it; >1 also runs an empty prompt).
+    """
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int | None = None
+    num_steps: int = 8
+    shift: float = 1.0
+    noise_level: float = 0.7
+    sde_window: tuple[int, int] = (0, 3)
+    micro_batch_size: int | None = None
+    guidance_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        start, end = self.sde_window
+        if not 0 <= start < end <= self.num_steps:
+            raise ValueError(
+                f"sde_window {self.sde_window} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
+            )
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or null, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1 or null, got {self.micro_batch_size}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+        if self.shift <= 0:
+            raise ValueError(f"shift must be > 0, got {self.shift}")
+        if self.guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be >= 0 (1.0 disables guidance), got {self.guidance_scale}")
+
+    @property
+    def guided(self) -> bool:
+        """Whether sampling runs classifier-free guidance (an unconditional branch)."""
+        return self.guidance_scale != 1.0
+
+
+def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
+    """Consecutive ``[start, end)`` slices of at most ``size`` items (one slice when size is None)."""
+    size = n if size is None else size
+    return [(i, min(i + size, n)) for i in range(0, n, max(size, 1))]

@@ -1,0 +1,166 @@
+"""``diffusion_denoise``: the flow sampler, sampled in a profile and re-scored for training.
+
+Rollout runs the SDE inside the window (ODE elsewhere) and records every SDE step: x_t, x_next, the
+sigmas and the Gaussian log-prob of x_next. ``step_logprob`` (the ``train`` profile) re-scores one
+recorded step under the current weights in rollout's micro-batch composition, with the same
+conditioning and guidance, so on unchanged weights the recompute is bit-identical by construction.
+The loop is generator-agnostic: it needs ``latent_shape`` and ``velocity(latents, sigma, cond)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unirl_pl.distributed import agree_max
+from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
+from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
+from unirl_pl.sampling import flow_sde_step_with_logprob, flow_sigmas, ode_step
+from unirl_pl.seeding import STREAM_NOISE, sample_generators
+
+
+def sigma_table(steps: Sequence[int], shift: float) -> Tensor:
+    """(N, max(steps) + 1) float64: row i is sample i's schedule, zero-padded past its end (never read)."""
+    table = torch.zeros(len(steps), max(steps) + 1, dtype=torch.float64)
+    for count in set(steps):
+        rows = [i for i, c in enumerate(steps) if c == count]
+        table[rows, : count + 1] = flow_sigmas(count, shift)
+    return table
+
+
+class DiffusionDenoise:
+    """The ``diffusion_denoise`` loop over one flow generator.
+
+    Args:
+        generator: Anything with ``latent_shape`` (per sample) and ``velocity(latents, sigma, cond)``.
+        config: Sampling settings (steps, shift, noise level, SDE window, micro-batch, guidance).
+    """
+
+    def __init__(self, generator: Any, config: RolloutConfig) -> None:
+        self.generator, self.config = generator, config
+
+    def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
+        """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on."""
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
+        v = self.generator.velocity(x, s, cond)
+        if uncond is None or not self.config.guided:
+            return v
+        v0 = self.generator.velocity(x, s, cond_expand(uncond, x.shape[0]))
+        return v0 + self.config.guidance_scale * (v - v0)
+
+    @torch.no_grad()
+    def sample(
+        self,
+        cond: Cond,
+        request_ids: Sequence[int],
+        sample_indices: Sequence[int],
+        profile: Profile,
+        *,
+        seed: int,
+        version: int = 0,
+        uncond: Cond | None = None,
+        num_steps: Sequence[int] | None = None,
+    ) -> tuple[Tensor, DiTRecord | None]:
+        """Sample latents (N, *latent_shape); in ``rollout`` also return the record of every SDE step.
+
+        ``num_steps`` gives each request its own step count (default: the config's for all). The batch
+        then advances one step at a time with every sample on its own schedule, a finished sample
+        leaving the batch, the way an interleaving server mixes requests; the record's sigmas become
+        per-sample. In ``rollout`` every count must reach the end of the SDE window, so all samples
+        are in the batch for every recorded step and the recompute sees the same composition.
+        """
+        cfg = self.config
+        n = len(request_ids)
+        start, end = cfg.sde_window
+        sde = profile == "rollout" and cfg.noise_level > 0
+        steps = self._step_counts(n, num_steps, end if sde else 1)
+        table = sigma_table(steps, cfg.shift)
+        gens_all = sample_generators(seed, request_ids, sample_indices, STREAM_NOISE)
+        device = next(iter(cond.values())).device
+        chunks = chunk_bounds(n, cfg.micro_batch_size)
+        latents, prevs, samples, logps = [], [], [], []
+        for a, b in chunks:
+            gens = gens_all[a:b]
+            x = torch.stack([torch.randn(self.generator.latent_shape, generator=g) for g in gens]).to(device)
+            sig, counts, c_cond = table[a:b], steps[a:b], cond_rows(cond, slice(a, b))
+            c_prev, c_sample, c_logp = [], [], []
+            for i in range(agree_max(max(counts), device)):
+                live = [j for j, c in enumerate(counts) if i < c]
+                if not live:
+                    # Another rank still has steps to run: a discarded forward keeps the sharded all-gathers paired.
+                    self.velocity(x[:1], sig[:1, 0], cond_rows(c_cond, slice(0, 1)), uncond)
+                    continue
+                # Index only when a sample has finished: the common all-live case keeps the tensors as they are.
+                rows = None if len(live) == b - a else torch.tensor(live, device=device)
+                s, s_next = sig[live, i], sig[live, i + 1]
+                xs = x if rows is None else x.index_select(0, rows)
+                v = self.velocity(xs, s, cond_rows(c_cond, rows), uncond)
+                if sde and start <= i < end:
+                    x_next, logp, _, _ = flow_sde_step_with_logprob(
+                        xs, v, s, s_next, sigma_max=sig[:, 1], noise_level=cfg.noise_level, generator=gens
+                    )
+                    c_prev.append(xs)
+                    c_sample.append(x_next)
+                    c_logp.append(logp)
+                else:
+                    x_next = ode_step(xs, v, s, s_next)
+                x = x_next if rows is None else x.index_copy(0, rows, x_next)
+            latents.append(x)
+            if sde:
+                prevs.append(torch.stack(c_prev, 1))
+                samples.append(torch.stack(c_sample, 1))
+                logps.append(torch.stack(c_logp, 1))
+        out = torch.cat(latents)
+        if not sde:
+            return out, None
+        # A shared schedule keeps the compact (S,) form; mixed step counts need per-sample sigmas.
+        shared = len(set(steps)) == 1
+        schedule = table[0] if shared else table
+        record = DiTRecord(
+            prev=torch.cat(prevs),
+            sample=torch.cat(samples),
+            sigma=schedule[..., start:end].clone(),
+            sigma_next=schedule[..., start + 1 : end + 1].clone(),
+            old_logp=torch.cat(logps),
+            cond=cond,
+            sigma_max=float(table[0, 1]) if shared else table[:, 1].clone(),
+            noise_level=cfg.noise_level,
+            chunks=chunks,
+            version=version,
+            uncond=uncond,
+        )
+        return out, record
+
+    def _step_counts(self, n: int, num_steps: Sequence[int] | None, least: int) -> list[int]:
+        if num_steps is None:
+            return [self.config.num_steps] * n
+        steps = [int(c) for c in num_steps]
+        if len(steps) != n:
+            raise ValueError(f"num_steps has {len(steps)} entries for {n} requests")
+        if min(steps) < least:
+            raise ValueError(
+                f"every request needs >= {least} steps (rollout records the SDE window "
+                f"{self.config.sde_window}), got num_steps={steps}"
+            )
+        return steps
+
+    def step_logprob(self, record: DiTRecord, step: int, chunk: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
+        """Re-score step ``step`` of the samples in ``chunk``: (log_prob, mean, std) under current weights."""
+        a, b = chunk
+        x = record.prev[a:b, step]
+        s, s_next, sigma_max = record.step_sigmas(step, chunk)
+        v = self.velocity(x, s, cond_rows(record.cond, slice(a, b)), record.uncond)
+        _, logp, mean, std = flow_sde_step_with_logprob(
+            x, v, s, s_next, sigma_max=sigma_max, noise_level=record.noise_level, prev_sample=record.sample[a:b, step]
+        )
+        return logp, mean, std
+
+    def score(self, record: DiTRecord) -> Tensor:
+        """All SDE-step log-probs of a record under the current weights, (N, S)."""
+        out = torch.empty_like(record.old_logp)
+        for step, (a, b) in record.steps():
+            out[a:b, step] = self.step_logprob(record, step, (a, b))[0]
+        return out

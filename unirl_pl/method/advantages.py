@@ -1,0 +1,116 @@
+"""The group layout of one step as pure index math, and the advantage scheme with its settings.
+
+A step holds P prompts; each gets K text samples (the first ``num_skip_refinement`` keep the original
+prompt, the rest are refined by the LM), and each text sample gets M images. The LM's group is the
+prompt; the DiT's group is the prompt (``shared``, PromptRL: one advantage per sample for both experts)
+or the refinement (``hierarchical``: M images of one text compete with each other).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from unirl_pl.losses import group_advantages
+
+
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """How rewards become advantages.
+
+    Args:
+        scheme: ``shared``: one advantage per sample, grouped by prompt, feeds both experts (PromptRL).
+            ``hierarchical``: the LM's advantage is grouped by prompt over the mean image reward of each
+            refinement, the DiT's is grouped by refinement over its M images (needs M >= 2).
+        global_std: Normalize by the whole batch's reward std (all ranks) instead of each group's.
+        clip_max: Clip advantages to ``[-clip_max, clip_max]``.
+    """
+
+    scheme: Literal["shared", "hierarchical"] = "shared"
+    global_std: bool = False
+    clip_max: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.scheme not in ("shared", "hierarchical"):
+            raise ValueError(f"advantage scheme must be 'shared' or 'hierarchical', got {self.scheme!r}")
+        if self.clip_max <= 0:
+            raise ValueError(f"advantage clip_max must be > 0, got {self.clip_max}")
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """Samples per prompt: K text samples (``skip`` of them unrefined) and M images per text sample.
+
+    Args:
+        samples_per_prompt: K, text samples per prompt; the LM's group size (>= 2).
+        num_skip_refinement: Of each prompt's K samples, how many keep the original prompt.
+        images_per_refinement: M, images per text sample.
+    """
+
+    samples_per_prompt: int = 4
+    num_skip_refinement: int = 1
+    images_per_refinement: int = 1
+
+    def __post_init__(self) -> None:
+        k = self.samples_per_prompt
+        if k < 2:
+            raise ValueError(f"samples_per_prompt must be >= 2 (a group of one has no relative advantage), got {k}")
+        if not 0 <= self.num_skip_refinement < k:
+            raise ValueError(
+                f"num_skip_refinement must be in [0, samples_per_prompt={k}), got {self.num_skip_refinement}: "
+                "at least one sample per prompt must be refined"
+            )
+        if self.images_per_refinement < 1:
+            raise ValueError(f"images_per_refinement must be >= 1, got {self.images_per_refinement}")
+
+    def text_prompt(self, p: int) -> Tensor:
+        """(P*K,) the prompt of each text sample."""
+        return torch.arange(p).repeat_interleave(self.samples_per_prompt)
+
+    def text_sample_index(self, p: int) -> list[int]:
+        """(P*K,) each text sample's index within its prompt's group."""
+        return [j for _ in range(p) for j in range(self.samples_per_prompt)]
+
+    def refined_rows(self, p: int, refine: bool) -> list[int]:
+        """The text samples the LM refines (none when the refiner does not run)."""
+        if not refine:
+            return []
+        return [i for i, j in enumerate(self.text_sample_index(p)) if j >= self.num_skip_refinement]
+
+    def image_text(self, p: int) -> Tensor:
+        """(P*K*M,) the text sample each image renders."""
+        return torch.arange(p * self.samples_per_prompt).repeat_interleave(self.images_per_refinement)
+
+    def image_sample_index(self, p: int) -> list[int]:
+        """(P*K*M,) each image's sample index within its request (seeds its noise)."""
+        m = self.images_per_refinement
+        return [j * m + i for j in self.text_sample_index(p) for i in range(m)]
+
+
+def compute_advantages(
+    rewards: Tensor,
+    layout: GroupLayout,
+    p: int,
+    config: AdvantageConfig,
+    batch_std: Callable[[Tensor], Tensor | None],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(text_rewards, text_advantages, image_advantages)`` from the (P*K*M,) image rewards.
+
+    ``batch_std`` returns the std of the global batch (all ranks) for ``global_std``, or None on one process.
+    """
+    m = layout.images_per_refinement
+    text_rewards = rewards.view(-1, m).mean(1)
+    prompt_of_text = layout.text_prompt(p)
+    kwargs = {"global_std": config.global_std, "clip_max": config.clip_max}
+    std = batch_std(text_rewards) if config.global_std else None
+    text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=std, **kwargs)
+    if config.scheme == "shared" and m == 1:
+        return text_rewards, text_adv, text_adv  # PromptRL: literally one advantage per sample for both experts.
+    img_text = layout.image_text(p)
+    groups = prompt_of_text[img_text] if config.scheme == "shared" else img_text
+    std = batch_std(rewards) if config.global_std else None
+    return text_rewards, text_adv, group_advantages(rewards, groups, batch_std=std, **kwargs)

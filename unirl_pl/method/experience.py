@@ -1,0 +1,125 @@
+"""The experience source: one step's prompts -> rollout -> rewards -> advantages, as an :class:`Experience`.
+
+It drives the loops in the ``rollout`` profile for the experts the mode trains (``serve`` for a frozen
+expert that still runs), scores the images with the reward and turns rewards into advantages. The
+DataModule only yields prompts; the LightningModule calls :meth:`ExperienceSource.collect` from its
+``on_after_batch_transfer`` hook, so the gates see the experience before ``training_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from unirl_pl.conditioning import Conditioner
+from unirl_pl.data import PromptBatch
+from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
+from unirl_pl.losses import zero_std_fraction
+from unirl_pl.method.advantages import AdvantageConfig, compute_advantages
+from unirl_pl.records import Experience, LMRecord
+from unirl_pl.rewards import WeightedSum
+from unirl_pl.versioning import VersionLedger
+
+
+@dataclass
+class ExperienceSource:
+    """Everything one step's rollout needs, bound once the experts are built.
+
+    Args:
+        ar_decode: The refiner loop, or None when the mode never runs it.
+        diffusion_denoise: The generator loop.
+        conditioning: Text features (versioned cache), the unconditional branch and decoding.
+        reward: The weighted reward.
+        advantages: The advantage scheme.
+        ledger: Weight versions (stamped on every record).
+        trained: Loop name -> whether its experts are trained (``rollout`` profile and a record) or
+            frozen (``serve`` profile, no record).
+        owners: Loop name -> the component whose version stamps its records.
+        batch_std: The global batch's reward std across ranks (None on one process).
+    """
+
+    ar_decode: ARDecode | None
+    diffusion_denoise: DiffusionDenoise
+    conditioning: Conditioner
+    reward: WeightedSum
+    advantages: AdvantageConfig
+    ledger: VersionLedger
+    trained: dict[str, bool]
+    owners: dict[str, str]
+    batch_std: Callable[[Tensor], Tensor | None]
+
+    def _profile(self, loop: str) -> Profile:
+        return "rollout" if self.trained.get(loop) else "serve"
+
+    def refine(self, batch: PromptBatch) -> tuple[list[str], list[int], LMRecord | None]:
+        """Every text sample of the batch (refined or original), the refined rows, and the LM record."""
+        layout, p = batch.layout, len(batch.prompts)
+        k = layout.samples_per_prompt
+        texts = [q for q in batch.prompts for _ in range(k)]
+        rows = layout.refined_rows(p, refine=self.ar_decode is not None)
+        if not rows:
+            return texts, rows, None
+        assert self.ar_decode is not None
+        req = [batch.request_ids[i // k] for i in rows]
+        idx = [layout.text_sample_index(p)[i] for i in rows]
+        refined_rows, record = self.ar_decode.sample(
+            [texts[i] for i in rows],
+            req,
+            idx,
+            self._profile("ar_decode"),
+            seed=batch.seed,
+            version=self.ledger[self.owners["ar_decode"]],
+        )
+        refined = list(texts)
+        for i, text in zip(rows, refined_rows, strict=True):
+            refined[i] = text
+        record.rows = torch.as_tensor(rows, dtype=torch.long)
+        return refined, rows, record
+
+    @torch.no_grad()
+    def collect(self, batch: PromptBatch, device: torch.device) -> Experience:
+        """Rollout for one step: refine, render, score, and compute advantages."""
+        layout, p = batch.layout, len(batch.prompts)
+        refined, rows, lm_record = self.refine(batch)
+        img_text = layout.image_text(p)
+        k = layout.samples_per_prompt
+        image_texts = [refined[t] for t in img_text.tolist()]
+        cond = self.conditioning.encode(image_texts)
+        latents, dit_record = self.diffusion_denoise.sample(
+            cond,
+            [batch.request_ids[t // k] for t in img_text.tolist()],
+            layout.image_sample_index(p),
+            self._profile("diffusion_denoise"),
+            seed=batch.seed,
+            version=self.ledger[self.owners["diffusion_denoise"]],
+            uncond=self.conditioning.uncond(self.diffusion_denoise.config.guided),
+        )
+        images = self.conditioning.decode(latents)
+        originals = [batch.prompts[t // k] for t in img_text.tolist()]
+        rewards, parts = self.reward(originals, image_texts, images)
+        text_rewards, text_adv, image_adv = compute_advantages(rewards, layout, p, self.advantages, self.batch_std)
+        advantages = {"diffusion_denoise": image_adv.to(device)}
+        if rows:
+            advantages["ar_decode"] = text_adv[rows].to(device)
+        records: dict = {}
+        if lm_record is not None and self.trained.get("ar_decode"):
+            records["ar_decode"] = lm_record
+        if dit_record is not None:
+            records["diffusion_denoise"] = dit_record
+        fell_back = lm_record.fell_back if lm_record is not None else []
+        return Experience(
+            prompts=originals,
+            refined=image_texts,
+            text_index=img_text,
+            rewards=rewards.to(device),
+            text_rewards=text_rewards.to(device),
+            records=records,
+            advantages=advantages,
+            reward_terms={name: float(v.mean()) for name, v in parts.items()},
+            zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
+            images=images,
+            fallback_frac=sum(fell_back) / len(fell_back) if fell_back else None,
+        )

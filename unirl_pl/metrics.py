@@ -1,0 +1,44 @@
+"""The per-step metric dictionaries: names are ``<component or topic>/<name>``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from unirl_pl.losses import LossOutput
+from unirl_pl.records import Experience
+
+
+def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Tensor]:
+    """An expert's loss, its parts, ratio statistics, clip fractions and gradient norm."""
+    return {
+        f"{name}/loss": out.loss.detach(),
+        f"{name}/pg_loss": out.pg_loss,
+        f"{name}/kl": out.kl,
+        f"{name}/ratio_mean": out.ratio_mean,
+        f"{name}/ratio_min": out.ratio_min,
+        f"{name}/ratio_max": out.ratio_max,
+        f"{name}/clip_frac": out.clip_frac,
+        f"{name}/clip_frac_high": out.clip_frac_high,
+        f"{name}/clip_frac_low": out.clip_frac_low,
+        f"{name}/grad_norm": grad_norm,
+    }
+
+
+def rollout_metrics(
+    exp: Experience, versions: dict[str, int], staleness: dict[str, float], hit_rate: float
+) -> dict[str, Tensor | float]:
+    """Reward spread and terms, advantage statistics, cache hit rate, versions, staleness, refinements."""
+    metrics: dict[str, Tensor | float] = {
+        "reward/std": exp.rewards.std(unbiased=False),
+        "advantage/zero_std_frac": exp.zero_std_frac,
+        "advantage/abs_mean": exp.advantages["diffusion_denoise"].abs().mean(),
+        "cache/text_encoder_hit_rate": hit_rate,
+    }
+    metrics.update({f"reward/{n}": v for n, v in exp.reward_terms.items()})
+    metrics.update({f"version/{n}": float(v) for n, v in versions.items()})
+    metrics.update({f"version/{n}_staleness": v for n, v in staleness.items()})
+    if exp.lm is not None:
+        metrics["llm/response_tokens"] = exp.lm.gen_mask.sum(1).float().mean()
+    if exp.fallback_frac is not None:
+        metrics["llm/fallback_frac"] = exp.fallback_frac
+    return metrics

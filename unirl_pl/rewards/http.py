@@ -1,0 +1,218 @@
+"""A reward served over HTTP: the client half of the protocol, plus the image codec both halves share.
+
+Large reward models (PickScore, HPSv2, ImageReward, GenEval's detector, ...) often pin dependencies
+that clash with the trainer's, so they run as a separate process, possibly on another machine, and
+the trainer POSTs its samples to them. Only the standard library is used, so the client adds no
+dependency. Protocol (see docs/rewards.md): POST ``{"prompts": [...], "refined_prompts": [...],
+"images": [...]}`` where each image is a base64-encoded PNG (or JPEG) string and each video a list
+of such strings, one per frame; the reply is ``{"scores": [float, ...]}``, one finite number per
+sample.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import http.client
+import io
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
+
+
+class RewardServerError(RuntimeError):
+    """A reward server could not be reached, failed, or answered something that breaks the protocol."""
+
+
+def encode_images(images: Tensor, image_format: str = "png") -> list[str] | list[list[str]]:
+    """Base64 strings for (N, 3, H, W) images, or lists of them (one per frame) for (N, F, 3, H, W) videos.
+
+    Pixels are quantized to 8 bits, so a server sees ``round(x * 255) / 255`` of each value; PNG
+    is lossless beyond that, JPEG (quality 95) is smaller but lossy.
+    """
+    fmt = IMAGE_FORMATS.get(image_format.lower())
+    if fmt is None:
+        raise ValueError(f"image_format must be one of {sorted(IMAGE_FORMATS)}, got {image_format!r}")
+    if images.dim() not in (4, 5):
+        raise ValueError(f"expected images (N, 3, H, W) or videos (N, F, 3, H, W), got shape {tuple(images.shape)}")
+    arr = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8).cpu()
+    arr = arr.movedim(-3, -1).numpy()  # channels last, as PIL wants
+
+    def one(img: np.ndarray) -> str:
+        buf = io.BytesIO()
+        extra = {"quality": 95} if fmt == "JPEG" else {"compress_level": 1}  # PNG: favour speed over size
+        Image.fromarray(img).save(buf, format=fmt, **extra)
+        return base64.b64encode(buf.getvalue()).decode("ascii")
+
+    if arr.ndim == 4:
+        return [one(img) for img in arr]
+    return [[one(frame) for frame in clip] for clip in arr]
+
+
+def decode_images(items: list[Any]) -> Tensor:
+    """The inverse of :func:`encode_images`: float (N, 3, H, W) or (N, F, 3, H, W) in [0, 1].
+
+    Accepts plain base64 or ``data:image/...;base64,`` URIs. All images (and all frames) must share
+    one size, since rewards take a single stacked tensor; a ``ValueError`` says what is wrong.
+    """
+    if not isinstance(items, list) or not items:
+        raise ValueError("'images' must be a non-empty list")
+
+    def one(text: Any, where: str) -> np.ndarray:
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: expected a base64 string, got {type(text).__name__}")
+        if text.startswith("data:"):
+            text = text.partition(",")[2]
+        try:
+            with Image.open(io.BytesIO(base64.b64decode(text, validate=True))) as img:
+                return np.array(img.convert("RGB"))
+        except (binascii.Error, ValueError, OSError) as err:
+            raise ValueError(f"{where}: not a base64-encoded image ({err})") from None
+
+    is_video = isinstance(items[0], list)
+    if any(isinstance(item, list) != is_video for item in items):
+        raise ValueError("'images' mixes images (strings) and videos (lists of frames)")
+    if is_video:
+        arrays = [np.stack([one(f, f"images[{i}][{j}]") for j, f in enumerate(clip)]) for i, clip in enumerate(items)]
+    else:
+        arrays = [one(item, f"images[{i}]") for i, item in enumerate(items)]
+    shapes = {a.shape for a in arrays}
+    if len(shapes) > 1:
+        raise ValueError(f"images differ in shape {sorted(shapes)}; send one size per request")
+    return torch.from_numpy(np.stack(arrays)).movedim(-1, -3).float() / 255
+
+
+def _is_retryable(err: BaseException) -> bool:
+    """Timeouts, refused/reset/dropped connections and 5xx replies may pass on a retry; 4xx will not."""
+    if isinstance(err, urllib.error.HTTPError):
+        return err.code >= 500
+    # URLError wraps connect-time failures (refused, unreachable, DNS, connect timeout); a timeout
+    # while reading the reply surfaces as a bare TimeoutError, a dropped connection as an OSError
+    # or an http.client.HTTPException (RemoteDisconnected, IncompleteRead).
+    return isinstance(err, OSError | http.client.HTTPException)
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, urllib.error.HTTPError):
+        try:
+            body = err.read(500).decode("utf-8", "replace").strip()
+        except Exception:  # the body is only a hint; a broken one must not hide the status
+            body = ""
+        return f"HTTP {err.code} {err.reason}" + (f": {body}" if body else "")
+    if isinstance(err, urllib.error.URLError):
+        return f"{type(err.reason).__name__}: {err.reason}"
+    return f"{type(err).__name__}: {err}"
+
+
+class HTTPReward:
+    """A reward computed by a remote server: POSTs the samples as JSON and returns the scores it sends back.
+
+    Samples go in batches of ``batch_size`` as ``{"prompts", "refined_prompts", "images"}`` (images
+    base64-encoded, videos as per-frame lists; see :func:`encode_images`) and each reply must be
+    ``{"scores": [...]}`` with one finite number per sample. Timeouts, connection errors and 5xx
+    replies are retried ``max_retries`` times with exponential backoff (``backoff_s``, then twice
+    that, ...); then, or at once on a 4xx or a malformed reply, a :class:`RewardServerError` names
+    the URL and what went wrong. Serve any registered reward with ``python -m
+    unirl_pl.rewards.server``, or speak the protocol from your own server (docs/rewards.md).
+
+    Args:
+        url: Endpoint to POST to, e.g. ``http://127.0.0.1:8000/``.
+        timeout_s: Seconds to wait for each request (connect and reply).
+        max_retries: Further attempts after a failed one (0: try once).
+        backoff_s: Wait before the first retry; doubles for each one after.
+        batch_size: Samples per request, bounding request size and server memory.
+        image_format: ``"png"`` (lossless after 8-bit quantization) or ``"jpeg"`` (smaller, lossy).
+        headers: Extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        batch_size: int = 16,
+        image_format: str = "png",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {url!r}")
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1:
+            raise ValueError(
+                f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1; got "
+                f"{timeout_s}, {max_retries}, {backoff_s}, {batch_size}"
+            )
+        if image_format.lower() not in IMAGE_FORMATS:
+            raise ValueError(f"image_format must be one of {sorted(IMAGE_FORMATS)}, got {image_format!r}")
+        self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
+        self.batch_size, self.image_format = batch_size, image_format.lower()
+        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        # A reward server on this machine must not be sent through an http_proxy from the
+        # environment (a common cluster setting that rarely lists loopback in no_proxy).
+        host = urllib.parse.urlsplit(url).hostname or ""
+        loopback = host in ("localhost", "::1") or host.startswith("127.")
+        self._bypass_proxy = loopback
+
+    def _post(self, payload: bytes) -> bytes:
+        # Built per call (cheap) rather than kept, so the reward stays picklable for spawned workers.
+        opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if self._bypass_proxy else []))
+        last: BaseException | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=payload, headers=self.headers, method="POST")
+            try:
+                with opener.open(request, timeout=self.timeout_s) as reply:
+                    return reply.read()
+            except (OSError, http.client.HTTPException) as err:  # URLError and timeouts are OSErrors
+                last = err
+                if not _is_retryable(err):
+                    break
+        attempts = f"{attempt + 1} attempt" + ("s" if attempt else "")
+        raise RewardServerError(f"reward server {self.url} failed after {attempts}: {_describe(last)}") from last
+
+    def _parse(self, body: bytes, n: int) -> list[float]:
+        where = f"reward server {self.url}"
+        try:
+            reply = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise RewardServerError(f"{where} returned non-JSON ({err}): {body[:200]!r}") from None
+        if not isinstance(reply, dict) or "scores" not in reply:
+            got = sorted(reply) if isinstance(reply, dict) else type(reply).__name__
+            raise RewardServerError(f"{where} reply has no 'scores' key (got {got})")
+        scores = reply["scores"]
+        if not isinstance(scores, list):
+            raise RewardServerError(f"{where} returned 'scores' as {type(scores).__name__}, not a list")
+        if len(scores) != n:
+            raise RewardServerError(f"{where} returned {len(scores)} scores for {n} images")
+        for i, s in enumerate(scores):
+            # bool is an int subclass, and json.loads accepts NaN/Infinity: neither is a valid score.
+            if isinstance(s, bool) or not isinstance(s, int | float) or not math.isfinite(s):
+                raise RewardServerError(f"{where} returned an invalid score at index {i}: {s!r}")
+        return [float(s) for s in scores]
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        n = images.shape[0]
+        if len(prompts) != n or len(refined_prompts) != n:
+            raise ValueError(f"{len(prompts)} prompts and {len(refined_prompts)} refined prompts for {n} images")
+        scores: list[float] = []
+        for lo in range(0, n, self.batch_size):
+            hi = min(lo + self.batch_size, n)
+            payload = {
+                "prompts": list(prompts[lo:hi]),
+                "refined_prompts": list(refined_prompts[lo:hi]),
+                "images": encode_images(images[lo:hi], self.image_format),
+            }
+            scores.extend(self._parse(self._post(json.dumps(payload).encode("utf-8")), hi - lo))
+        return scores
