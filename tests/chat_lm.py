@@ -84,3 +84,12 @@ def make_qwen2_chat_lm(path: str | Path, seed: int = 0) -> str:
         model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
     return str(path)
+
+
+if __name__ == "__main__":
+    # python -m tests.chat_lm FOLDER: a tiny instruct LM folder (chat template) for CPU runs of the family recipes.
+    import sys
+
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.chat_lm FOLDER")
+    print(make_qwen2_chat_lm(sys.argv[1]))

@@ -226,3 +226,14 @@ def make_wan_pipeline(path: str | Path, seed: int = 0) -> Path:
 def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.Tensor:
     """Standard-normal float32 latents (batch, *shape) from a private generator."""
     return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
+
+
+if __name__ == "__main__":
+    # python -m tests.pipelines {sd3,flux,wan} FOLDER: a tiny random pipeline folder for CPU runs of the
+    # family recipes (the recipes' headers list the overrides that fit these sizes).
+    import sys
+
+    builders = {"sd3": make_sd3_pipeline, "flux": make_flux_pipeline, "wan": make_wan_pipeline}
+    if len(sys.argv) != 3 or sys.argv[1] not in builders:
+        sys.exit("usage: python -m tests.pipelines {sd3,flux,wan} FOLDER")
+    print(builders[sys.argv[1]](sys.argv[2]))

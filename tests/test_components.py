@@ -8,6 +8,7 @@ import torch
 from tests.helpers import read_metrics, run_cli
 from unirl_pl.card import Card, CardError
 from unirl_pl.data import PromptDataModule, _PromptStream, load_prompts
+from unirl_pl.method import AdvantageConfig, GroupLayout, check_scheme
 from unirl_pl.rewards import ContainsWord, RefinerFormat, WeightedSum, jpeg_compressibility, resolve_reward
 from unirl_pl.versioning import FeatureCache, VersionLedger
 
@@ -43,7 +44,7 @@ def test_a_shared_weight_card_is_expressible():
 def _encoder(calls):
     def encode(texts):
         calls.append(list(texts))
-        return (torch.stack([torch.full((2,), float(len(t))) for t in texts]),)
+        return {"f": torch.stack([torch.full((2,), float(len(t))) for t in texts])}
 
     return encode
 
@@ -52,7 +53,7 @@ def test_a_group_encodes_its_prompt_once_and_llm_updates_keep_the_cache_warm():
     ledger = VersionLedger(["llm", "transformer", "text_encoder"])
     cache = FeatureCache(ledger)
     calls: list[list[str]] = []
-    (feats,) = cache.get_or_compute("text_encoder", ["a", "a", "a", "bb"], _encoder(calls))
+    feats = cache.get_or_compute("text_encoder", ["a", "a", "a", "bb"], _encoder(calls))["f"]
     assert calls == [["a"], ["bb"]] and feats.shape == (4, 2)
     ledger.bump("llm")
     ledger.bump("transformer")
@@ -90,22 +91,42 @@ def test_prompt_sources(tmp_path):
 
 def test_prompt_stream_shards_union_equals_single_process_and_resumes():
     prompts = [f"p{i}" for i in range(7)]
-    single = iter(_PromptStream(prompts, 4, seed=3, rank=0, world=1, start_step=0))
-    ranks = [iter(_PromptStream(prompts, 4, seed=3, rank=r, world=2, start_step=0)) for r in range(2)]
+    single = iter(_PromptStream(prompts, 4, seed=3, rank=0, world=1, start_step=0, layout=GroupLayout()))
+    ranks = [
+        iter(_PromptStream(prompts, 4, seed=3, rank=r, world=2, start_step=0, layout=GroupLayout())) for r in range(2)
+    ]
     for _ in range(5):
         whole = next(single)
         parts = [next(it) for it in ranks]
         assert parts[0].prompts + parts[1].prompts == whole.prompts
         assert parts[0].request_ids + parts[1].request_ids == whole.request_ids
-    resumed = next(iter(_PromptStream(prompts, 4, seed=3, rank=0, world=1, start_step=5)))
+    resumed = next(iter(_PromptStream(prompts, 4, seed=3, rank=0, world=1, start_step=5, layout=GroupLayout())))
     assert resumed.prompts == next(single).prompts
 
 
-def test_datamodule_refuses_bad_scheme_settings():
+def test_bad_scheme_and_layout_settings_are_refused():
     with pytest.raises(ValueError, match="images_per_refinement >= 2"):
-        PromptDataModule(advantage_scheme="hierarchical")
+        check_scheme(AdvantageConfig(scheme="hierarchical"), GroupLayout(images_per_refinement=1))
+    check_scheme(AdvantageConfig(scheme="hierarchical"), GroupLayout(images_per_refinement=2))
+    with pytest.raises(ValueError, match="scheme"):
+        AdvantageConfig(scheme="per_image")
+    with pytest.raises(ValueError, match="samples_per_prompt"):
+        PromptDataModule(samples_per_prompt=1)
+    with pytest.raises(ValueError, match="num_skip_refinement"):
+        PromptDataModule(samples_per_prompt=2, num_skip_refinement=2)
     with pytest.raises(ValueError, match="prompts_per_step"):
         PromptDataModule(prompts_per_step=0)
+    with pytest.raises(ValueError, match="val_batch_size"):
+        PromptDataModule(val_batch_size=0)
+
+
+def test_group_layout_index_math():
+    layout = GroupLayout(samples_per_prompt=3, num_skip_refinement=1, images_per_refinement=2)
+    assert layout.text_prompt(2).tolist() == [0, 0, 0, 1, 1, 1]
+    assert layout.refined_rows(2, refine=True) == [1, 2, 4, 5]
+    assert layout.refined_rows(2, refine=False) == []
+    assert layout.image_text(2).tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert layout.image_sample_index(1) == [0, 1, 2, 3, 4, 5]
 
 
 # ---------------------------------------------------------------- rewards

@@ -101,7 +101,7 @@ def test_two_ranks_match_one_process(tmp_path, single, name, overlay, extra):
 
 def test_global_std_is_the_std_of_all_ranks(tmp_path):
     """With ``global_std`` each rank must divide by the global batch's std, not its own half's."""
-    flag = "--data.init_args.global_std=true"
+    flag = "--model.advantage.global_std=true"
     one = _fit(tmp_path, "single_gstd", flag)
     two = _fit(tmp_path, "ddp_gstd", flag, "--config", str(ROOT / "recipes" / "ddp.yaml"))
     diff = _max_diff(one, two)

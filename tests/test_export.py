@@ -14,7 +14,7 @@ FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model
 
 
 def _assert_roundtrip(module, out) -> None:
-    llm, dit = module.llm, module.transformer
+    llm, dit = module.llm, module.generator.transformer
     # LM: a freshly built base (adapter stripped) + PeftModel.from_pretrained reproduces the trained logits.
     fresh = type(llm)(hidden_size=llm.hidden_size, num_layers=llm.num_layers, lora_rank=llm.lora_rank)
     fresh.build()

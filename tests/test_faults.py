@@ -19,9 +19,10 @@ from tests.helpers import TINY, read_metrics, run_cli, series
 from unirl_pl.callbacks import LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
-from unirl_pl.data import Experience, PromptBatch
+from unirl_pl.data import PromptBatch
+from unirl_pl.loops import DiffusionDenoise
 from unirl_pl.losses import flow_grpo_loss, grpo_token_loss, k3_kl
-from unirl_pl.rollout import RolloutEngine
+from unirl_pl.records import Experience
 from unirl_pl.sampling import flow_kl
 
 PROMPTS = ["a red circle", "a blue square"]
@@ -50,7 +51,9 @@ def built():
 
 
 def collect(model, dm) -> Experience:
-    return model.collect_experience(PromptBatch(list(PROMPTS), list(REQUEST_IDS)), dm)
+    """One training step's rollout of PROMPTS with the data module's seed and group layout."""
+    batch = PromptBatch(list(PROMPTS), list(REQUEST_IDS), seed=dm.seed, layout=dm.layout)
+    return model.source.collect(batch, model.device)
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +62,28 @@ def clean_exp(built):
 
 
 @pytest.fixture
-def model(built):
-    """The shared module; every trainable weight is put back after the test."""
+def model(built, monkeypatch):
+    """The shared module; every trainable weight is put back (and its gradient cleared) after the test.
+
+    Outside a trainer, ``manual_backward`` (which the DiT loss may call per denoising step) is a plain
+    ``backward``, as Lightning's full-precision plugin runs it.
+    """
     module, _ = built
+    monkeypatch.setattr(module, "manual_backward", lambda loss, *args, **kwargs: loss.backward(*args, **kwargs))
     saved = {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
     yield module
     with torch.no_grad():
         for n, p in module.named_parameters():
             if n in saved:
                 p.copy_(saved[n])
+                p.grad = None
 
 
 def perturb_dit_lora(model, scale: float = 0.05, seed: int = 0) -> None:
     """Give every DiT LoRA B matrix seeded noise (B starts at zero, so the adapter is then not a no-op)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.transformer.named_parameters():
+        for name, p in model.generator.transformer.named_parameters():
             if "lora_B" in name:
                 p.add_(torch.randn(p.shape, generator=g) * scale)
 
@@ -86,18 +95,23 @@ def with_dit_loss(monkeypatch, model, **changes) -> None:
 
 
 def dit_terms(model, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (sample, step) log-probs and KLs, computed here from the engine and the adapter toggle: (N, S) each."""
-    rec = exp.dit
+    """Per (sample, step) log-probs and KLs, computed here from the loop and the adapter toggle: (N, S) each."""
+    rec, loop = exp.dit, model.diffusion_denoise
     logp = torch.empty_like(rec.old_logp)
     kl = torch.empty_like(rec.old_logp)
     with torch.no_grad():
-        for step, (a, b) in model.engine.iter_dit_steps(rec):
-            lp, mean, std = model.engine.dit_step_logprob(rec, step, (a, b))
-            with model.transformer.adapter_disabled():
-                _, ref_mean, _ = model.engine.dit_step_logprob(rec, step, (a, b))
+        for step, (a, b) in rec.steps():
+            lp, mean, std = loop.step_logprob(rec, step, (a, b))
+            with model.generator.transformer.adapter_disabled():
+                _, ref_mean, _ = loop.step_logprob(rec, step, (a, b))
             logp[a:b, step] = lp
             kl[a:b, step] = flow_kl(mean, ref_mean, std)
     return logp, kl
+
+
+def with_lm(exp: Experience, lm) -> Experience:
+    """The experience with its ``ar_decode`` record replaced."""
+    return replace(exp, records={**exp.records, "ar_decode": lm})
 
 
 def rel_close(a: float, b: float, rtol: float) -> bool:
@@ -110,7 +124,7 @@ def rel_close(a: float, b: float, rtol: float) -> bool:
 def test_dit_kl_is_against_the_adapter_disabled_reference(model, clean_exp):
     """Fault: the reference forward runs with the adapter enabled, so the KL is identically 0."""
     perturb_dit_lora(model)
-    out = model._dit_loss(clean_exp)
+    out = model._loss("transformer", clean_exp)
     _, kl = dit_terms(model, clean_exp)
     assert float(out.kl) > 0 and float(kl.mean()) > 0
     # The KL is ~1e-6 here, so the comparison is relative: same float32 ops, only summation order differs.
@@ -118,38 +132,50 @@ def test_dit_kl_is_against_the_adapter_disabled_reference(model, clean_exp):
 
 
 def test_dit_kl_term_is_added_with_beta(model, clean_exp, monkeypatch):
-    """Fault: the module passes the KL with the wrong sign (``pg - beta * kl``)."""
+    """Fault: the DiT loss adds the KL with the wrong sign (``pg - beta * kl``)."""
     perturb_dit_lora(model)
     # The KL is ~1e-6 on this perturbation: a large weight lifts beta * kl far above float32 rounding of the loss.
     beta = 100.0
     with_dit_loss(monkeypatch, model, beta=beta)
-    with_kl = model._dit_loss(clean_exp)
+    with_kl = model._loss("transformer", clean_exp)
     with_dit_loss(monkeypatch, model, beta=0.0)
-    without = model._dit_loss(clean_exp)
+    without = model._loss("transformer", clean_exp)
     assert float(without.kl) == 0.0 and float(with_kl.kl) > 0
     assert torch.equal(with_kl.pg_loss, without.pg_loss), "the KL weight must not change the policy-gradient term"
-    a, b = float(with_kl.loss), float(without.loss)
+    a, b = float(with_kl.loss.detach()), float(without.loss.detach())
     added, want = a - b, beta * float(with_kl.kl)
     rounding = 4 * torch.finfo(torch.float32).eps * max(abs(a), abs(b))
     assert added > 0 and abs(added - want) <= 1e-5 * want + rounding, (added, want)
 
 
 def test_dit_loss_uses_the_transformer_settings_not_the_llm_settings(model, clean_exp):
-    """Fault: ``_dit_loss`` reads ``self.losses['llm']`` (clip 0.3, beta 0.5) instead of its own."""
+    """Fault: the DiT loss gets ``losses['llm']`` (clip 0.3, beta 0.5) instead of its own settings."""
     assert model.losses["transformer"].clip_eps == DIT_LOSS["clip_eps"]
     assert model.losses["llm"].beta == LLM_LOSS["beta"]
     perturb_dit_lora(model)
-    out = model._dit_loss(clean_exp)
+    out = model._loss("transformer", clean_exp)
     logp, kl = dit_terms(model, clean_exp)
     rec = clean_exp.dit
-    args = (logp.flatten(), rec.old_logp.flatten(), clean_exp.dit_advantages.repeat_interleave(rec.num_steps))
+    adv = clean_exp.advantages["diffusion_denoise"]
+    args = (logp.flatten(), rec.old_logp.flatten(), adv.repeat_interleave(rec.num_steps))
     own = flow_grpo_loss(*args, kl=kl.flatten(), **DIT_LOSS)
     lm = flow_grpo_loss(*args, kl=kl.flatten(), **LLM_LOSS)
     # Power: the two settings give visibly different losses and clip fractions on this perturbation.
     assert float(own.clip_frac) > 0 and float(lm.clip_frac) == 0
     assert abs(float(own.loss) - float(lm.loss)) > 1e-3 * abs(float(own.loss))
     assert float(out.clip_frac) == float(own.clip_frac)
-    assert rel_close(float(out.loss), float(own.loss), 1e-5), (float(out.loss), float(own.loss), float(lm.loss))
+    # The KL weight: what the loss adds to the policy-gradient term is the DiT's beta times the KL (the LM's
+    # beta is 125x larger). Both terms come from the same float32 sums, so only rounding separates them.
+    added, kl_mean = float(out.loss.detach()) - float(out.pg_loss), float(out.kl)
+    assert rel_close(kl_mean, float(kl.mean()), 1e-5), (kl_mean, float(kl.mean()))
+    rounding = 4 * torch.finfo(torch.float32).eps * abs(float(out.loss.detach()))
+    assert abs(added - DIT_LOSS["beta"] * kl_mean) <= 1e-4 * DIT_LOSS["beta"] * kl_mean + rounding, (added, kl_mean)
+    # The clipped surrogate is a mean of ~1-sized terms of both signs that cancel to ~1e-5, so the order the
+    # loss sums its (step, micro-batch) terms in moves it by ~1e-8: compare on the scale that separates the
+    # two settings (a hundredth of it), not relative to the cancelled value.
+    for field in ("pg_loss", "loss"):
+        got, want, other = (float(getattr(o, field).detach()) for o in (out, own, lm))
+        assert abs(got - want) <= 1e-2 * abs(want - other), (field, got, want, other)
 
 
 # --------------------------------------------------------------------------------- SDE sampling
@@ -157,11 +183,11 @@ def test_dit_loss_uses_the_transformer_settings_not_the_llm_settings(model, clea
 
 def test_rollout_samples_differ_from_serve_samples_for_the_same_seeds(model):
     """Fault: the ODE step runs inside the SDE window while log-probs are still recorded."""
-    hidden, pooled = model.encode(PROMPTS * 2)
+    cond = model.generator.encode(PROMPTS * 2)
     ids, idx = REQUEST_IDS * 2, [0, 0, 1, 1]
     with torch.no_grad():
-        serve, none = model.engine.denoise(hidden, pooled, ids, idx, "serve")
-        rollout, rec = model.engine.denoise(hidden, pooled, ids, idx, "rollout")
+        serve, none = model.diffusion_denoise.sample(cond, ids, idx, "serve", seed=0)
+        rollout, rec = model.diffusion_denoise.sample(cond, ids, idx, "rollout", seed=0)
     assert none is None and rec is not None
     # Same initial noise (a sample's generator does not depend on the profile), different path.
     per_sample = (rollout - serve).flatten(1).abs().amax(1)
@@ -183,7 +209,7 @@ def test_recorded_step_noise_is_standard_normal(model, clean_exp):
         for a, b in rec.chunks:
             s, s_next, _ = rec.step_sigmas(step, (a, b))
             with torch.no_grad():  # flow_sde_step_with_logprob on rec.prev with prev_sample=rec.sample
-                _, mean, std = model.engine.dit_step_logprob(rec, step, (a, b))
+                _, mean, std = model.diffusion_denoise.step_logprob(rec, step, (a, b))
             eps.append((rec.sample[a:b, step] - mean) / (std * math.sqrt(-(s_next - s))))
         eps = torch.cat(eps).double().flatten()
         n = eps.numel()
@@ -199,8 +225,11 @@ def test_recorded_step_noise_is_standard_normal(model, clean_exp):
 @pytest.fixture
 def guided(built, monkeypatch):
     module, dm = built
+    # The module and its experience source hold the same loop object: change its settings in place.
+    assert module.source.diffusion_denoise is module.diffusion_denoise
     monkeypatch.setattr(module, "rollout_config", replace(module.rollout_config, guidance_scale=3.0))
-    monkeypatch.setattr(module, "engine", module.engine.with_config(guidance_scale=3.0))
+    loop = module.diffusion_denoise
+    monkeypatch.setattr(loop, "config", replace(loop.config, guidance_scale=3.0))
     return module, dm
 
 
@@ -211,13 +240,13 @@ def test_c2_holds_bitwise_with_guidance_and_fires_when_the_recompute_drops_it(gu
     assert exp.dit is not None and exp.dit.uncond is not None, "guidance 3.0 records the unconditional features"
     stats = LogProbIdentityCheck().check(model, exp)["transformer"]
     assert stats["frac_bitwise_equal"] == 1.0 and stats["max_abs_diff"] == 0.0
-    unguided = replace(exp, dit=replace(exp.dit, uncond=None))
+    unguided = replace(exp, records={**exp.records, "diffusion_denoise": replace(exp.dit, uncond=None)})
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, unguided)
-    original = RolloutEngine.dit_step_logprob
+    original = DiffusionDenoise.step_logprob
     monkeypatch.setattr(
-        RolloutEngine,
-        "dit_step_logprob",
+        DiffusionDenoise,
+        "step_logprob",
         lambda self, rec, step, chunk: original(self, replace(rec, uncond=None), step, chunk),
     )
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
@@ -285,7 +314,7 @@ def test_k3_kl_is_an_unbiased_estimate_of_kl_policy_to_reference():
 
 
 def test_llm_loss_ignores_positions_outside_the_generation_mask(model, clean_exp):
-    """Fault: ``_llm_loss`` hands ``grpo_token_loss`` an all-ones mask instead of ``gen_mask``."""
+    """Fault: the LM loss hands ``grpo_token_loss`` an all-ones mask instead of ``gen_mask``."""
     lm = clean_exp.lm
     assert lm is not None
     # Rows 0 and 3 ended early (as after an eos): their tail tokens are not part of the refinement.
@@ -294,18 +323,17 @@ def test_llm_loss_ignores_positions_outside_the_generation_mask(model, clean_exp
     gen_mask[3, -7:] = False
     assert gen_mask.any(1).all() and not gen_mask.all()
     old_logp = torch.where(gen_mask, lm.old_logp, torch.zeros_like(lm.old_logp))
-    ended = replace(clean_exp, lm=replace(lm, gen_mask=gen_mask, old_logp=old_logp))
+    ended = with_lm(clean_exp, replace(lm, gen_mask=gen_mask, old_logp=old_logp))
     # Huge behaviour log-probs where the mask is off: ratio exp(0 - 1e4) = 0 there, a finite nonzero term if used.
-    garbage = replace(clean_exp, lm=replace(lm, gen_mask=gen_mask, old_logp=old_logp.masked_fill(~gen_mask, 1e4)))
-    out = model._llm_loss(ended)
-    assert torch.equal(model._llm_loss(garbage).loss, out.loss)
+    garbage = with_lm(clean_exp, replace(lm, gen_mask=gen_mask, old_logp=old_logp.masked_fill(~gen_mask, 1e4)))
+    out = model._loss("llm", ended)
+    assert torch.equal(model._loss("llm", garbage).loss, out.loss)
+    advantages = clean_exp.advantages["ar_decode"]
     with torch.no_grad():
-        logp = model.engine.lm_logprobs(lm)
+        logp = model.ar_decode.score(lm)
         with model.llm.adapter_disabled():
-            ref = model.engine.lm_logprobs(lm)
-    expected = grpo_token_loss(logp, old_logp, clean_exp.lm_advantages, gen_mask, ref_logp=ref, **LLM_LOSS)
+            ref = model.ar_decode.score(lm)
+    expected = grpo_token_loss(logp, old_logp, advantages, gen_mask, ref_logp=ref, **LLM_LOSS)
     assert float(out.loss) == pytest.approx(float(expected.loss), rel=1e-5, abs=1e-7)
-    everything = grpo_token_loss(
-        logp, old_logp, clean_exp.lm_advantages, torch.ones_like(gen_mask), ref_logp=ref, **LLM_LOSS
-    )
+    everything = grpo_token_loss(logp, old_logp, advantages, torch.ones_like(gen_mask), ref_logp=ref, **LLM_LOSS)
     assert abs(float(everything.loss) - float(expected.loss)) > 1e-3, "power: the masked tokens do matter"

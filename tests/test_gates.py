@@ -2,8 +2,9 @@
 the fault it exists to catch. Also seeded determinism and batch invariance, with a negative control.
 
 Most tests share one module built from ``recipes/tiny.yaml`` and call the gates' ``check`` directly;
-one fit-level test per gate runs them as Lightning callbacks. Fault patches and weight perturbations
-are undone after each test, so the shared module stays clean.
+one fit-level test per gate runs them as Lightning callbacks, and each gate refuses at ``setup()`` a
+module that lacks what it reads. Fault patches and weight perturbations are undone after each test,
+so the shared module stays clean.
 """
 
 from __future__ import annotations
@@ -13,21 +14,25 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
 
+import unirl_pl.loops.ar_decode as ar_decode_module
+import unirl_pl.loops.diffusion_denoise as diffusion_denoise_module
 from tests.helpers import ROOT, TINY, read_metrics, series
-from unirl_pl import rollout
 from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
 from unirl_pl.callbacks.c2 import PRECISION_TOLERANCES, LogProbIdentityError
 from unirl_pl.callbacks.parity import InterleaveParityError, ParityReport
 from unirl_pl.cli import main
-from unirl_pl.data import Experience, PromptBatch
+from unirl_pl.data import PromptBatch
 from unirl_pl.experts import CausalLMExpert
-from unirl_pl.module import UniRLModule
-from unirl_pl.rollout import RolloutEngine
+from unirl_pl.generators import ComponentGenerator
+from unirl_pl.loops import ARDecode, DiffusionDenoise
+from unirl_pl.method.experience import ExperienceSource
+from unirl_pl.records import Experience
 from unirl_pl.sampling import flow_sigmas
 
 # "<pad>" is the tokenizer's pad token: inside a prompt it becomes the pad id with attention mask 1.
@@ -44,7 +49,9 @@ def build(*overrides: str):
 
 
 def collect(model, dm, prompts=PROMPTS, request_ids=REQUEST_IDS) -> Experience:
-    return model.collect_experience(PromptBatch(list(prompts), list(request_ids)), dm)
+    """One training step's rollout of ``prompts`` with the data module's seed and group layout."""
+    batch = PromptBatch(list(prompts), list(request_ids), seed=dm.seed, layout=dm.layout)
+    return model.source.collect(batch, model.device)
 
 
 def fingerprint(exp: Experience) -> str:
@@ -59,8 +66,8 @@ def fingerprint(exp: Experience) -> str:
         exp.dit.old_logp,
         exp.images,
         exp.rewards,
-        exp.lm_advantages,
-        exp.dit_advantages,
+        exp.advantages["ar_decode"],
+        exp.advantages["diffusion_denoise"],
     ):
         h.update(t.detach().cpu().contiguous().numpy().tobytes())
     h.update("\x00".join(exp.refined).encode())
@@ -115,19 +122,31 @@ def perturb_lora(model: pl.LightningModule, expert: str, amount: float = 1e-2) -
         param.add_(amount)
 
 
+def patch_sample_generators(monkeypatch, fake) -> None:
+    """Replace the per-sample generators of both loops (each imports ``sample_generators`` by name)."""
+    for loop_module in (ar_decode_module, diffusion_denoise_module):
+        monkeypatch.setattr(loop_module, "sample_generators", fake)
+
+
 def shared_rng_generators(monkeypatch) -> None:
     """Fault: every request draws from one module-global generator instead of its own."""
     shared = torch.Generator().manual_seed(1234)
-    monkeypatch.setattr(rollout, "make_generators", lambda seeds, device="cpu": [shared] * len(seeds))
+    patch_sample_generators(monkeypatch, lambda seed, request_ids, sample_indices, stream: [shared] * len(request_ids))
 
 
 def position_seeded_generators(monkeypatch) -> None:
     """Fault: a sample's generator is seeded by its position in the batch, not by its request."""
 
-    def by_position(seeds, device="cpu"):
-        return [torch.Generator().manual_seed(i) for i in range(len(seeds))]
+    def by_position(seed, request_ids, sample_indices, stream):
+        return [torch.Generator().manual_seed(i) for i in range(len(request_ids))]
 
-    monkeypatch.setattr(rollout, "make_generators", by_position)
+    patch_sample_generators(monkeypatch, by_position)
+
+
+def with_config(loop, **changes):
+    """A new loop of the same kind over the same model, with some sampling settings changed."""
+    model = loop.llm if isinstance(loop, ARDecode) else loop.generator
+    return type(loop)(model, replace(loop.config, **changes))
 
 
 # ---------------------------------------------------------------------------------------------- C2
@@ -170,13 +189,15 @@ def test_c2_fires_when_decode_masks_a_prompt_token_equal_to_the_pad_id(built, mo
 @pytest.mark.parametrize("sampling", [{"temperature": 0.7}, {"top_k": 8}], ids=["temperature", "top_k"])
 def test_c2_fires_when_the_recompute_ignores_temperature_or_top_k(built, monkeypatch, sampling):
     model, dm = built
-    monkeypatch.setattr(model, "engine", model.engine.with_config(**sampling))
+    # The module and its experience source hold the same loop object: change its settings in place.
+    assert model.source.ar_decode is model.ar_decode
+    monkeypatch.setattr(model.ar_decode, "config", replace(model.ar_decode.config, **sampling))
     exp = collect(model, dm)
+    assert exp.lm is not None
+    assert (exp.lm.temperature, exp.lm.top_k) == (sampling.get("temperature", 1.0), sampling.get("top_k"))
     LogProbIdentityCheck().check(model, exp)  # control: the recompute applies the record's settings
-    original = RolloutEngine.lm_logprobs
-    monkeypatch.setattr(
-        RolloutEngine, "lm_logprobs", lambda self, rec: original(self, replace(rec, temperature=1.0, top_k=None))
-    )
+    original = ARDecode.score
+    monkeypatch.setattr(ARDecode, "score", lambda self, rec: original(self, replace(rec, temperature=1.0, top_k=None)))
     with pytest.raises(LogProbIdentityError, match="expert 'llm'"):
         LogProbIdentityCheck().check(model, exp)
 
@@ -202,14 +223,14 @@ def test_c2_exact_tier_catches_a_change_far_below_the_tolerance(clean_exp, resto
 
 def test_c2_fires_on_a_sigma_shifted_by_one_step_in_the_recompute(built, clean_exp, monkeypatch):
     model, _ = built
-    original = RolloutEngine.dit_step_logprob
+    original = DiffusionDenoise.step_logprob
 
     def shifted(self, record, step, chunk):
         sigmas, (start, end) = flow_sigmas(self.config.num_steps, self.config.shift), self.config.sde_window
         off_by_one = replace(record, sigma=sigmas[start + 1 : end + 1], sigma_next=sigmas[start + 2 : end + 2])
         return original(self, off_by_one, step, chunk)
 
-    monkeypatch.setattr(RolloutEngine, "dit_step_logprob", shifted)
+    monkeypatch.setattr(DiffusionDenoise, "step_logprob", shifted)
     with pytest.raises(LogProbIdentityError, match=r"expert 'transformer' at step 0.*SDE step"):
         LogProbIdentityCheck().check(model, clean_exp)
 
@@ -233,7 +254,7 @@ def test_c2_precision_presets_and_warn_action(built, clean_exp, restore_weights)
 def test_parity_passes_on_the_default_recipe(built):
     model, _ = built
     gate = InterleaveParityCheck(every_n_steps=1)
-    assert gate.probe_step_counts(model.engine) == [8, 4, 8, 4], "the probe mixes step counts"
+    assert gate.probe_step_counts(model.diffusion_denoise.config) == [8, 4, 8, 4], "the probe mixes step counts"
     report = gate.check(model)
     assert not report.failures
     assert set(report.diffs) == {"llm", "transformer", "images"}
@@ -262,51 +283,53 @@ def test_parity_fails_when_both_sides_are_empty(built, monkeypatch):
     report.tokens("llm", torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
     report.values("dit", "transformer", torch.zeros(0), torch.zeros(0), 1e-5)
     assert report.failures == ["llm: both sides are empty", "dit: both sides are empty"]
-    monkeypatch.setattr(model.engine, "llm", None)
-    monkeypatch.setattr(RolloutEngine, "denoise", lambda self, hidden, *a, **k: (hidden[:, :0, :0], None))
-    monkeypatch.setattr(UniRLModule, "decode", lambda self, latents: latents)
+    monkeypatch.setattr(model, "ar_decode", None)
+    monkeypatch.setattr(DiffusionDenoise, "sample", lambda self, cond, *a, **k: (cond["hidden"][:, :0, :0], None))
+    monkeypatch.setattr(ComponentGenerator, "decode", lambda self, latents: latents)
     with pytest.raises(InterleaveParityError, match="both sides are empty"):
         InterleaveParityCheck(num_requests=2, profiles=("serve",)).check(model)
 
 
 def test_parity_divergence_names_where_and_how_much(built, monkeypatch):
     model, _ = built
-    original = RolloutEngine.denoise
+    original = DiffusionDenoise.sample
 
-    def off_when_alone(self, hidden, *args, **kwargs):
-        latents, record = original(self, hidden, *args, **kwargs)
-        return (latents + 1e-3 if hidden.shape[0] == 1 else latents), record
+    def off_when_alone(self, cond, request_ids, *args, **kwargs):
+        latents, record = original(self, cond, request_ids, *args, **kwargs)
+        return (latents + 1e-3 if len(request_ids) == 1 else latents), record
 
-    monkeypatch.setattr(RolloutEngine, "denoise", off_when_alone)
+    monkeypatch.setattr(DiffusionDenoise, "sample", off_when_alone)
     where = r"transformer/serve request 0 \(8 steps\) latents: \|batched - serial\| = [0-9.]+e-0[34] at element"
     with pytest.raises(InterleaveParityError, match=where):
         InterleaveParityCheck(num_requests=2, profiles=("serve",)).check(model)
 
 
-# --------------------------------------------------------- per-request step counts in the engine
+# ------------------------------------------------------- per-request step counts in the loop
 
 
 @torch.no_grad()
 def test_denoise_with_per_request_step_counts(built):
     model, _ = built
-    engine = model.engine
-    hidden, pooled = model.text_encoder.encode(["a red circle"] * 3)
-    default, rec = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout")
-    same, rec_same = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 8, 8])
+    loop = model.diffusion_denoise
+    cond = model.generator.encode(["a red circle"] * 3)
+    ids, idx = [5] * 3, [0, 1, 2]
+    default, rec = loop.sample(cond, ids, idx, "rollout", seed=0)
+    same, rec_same = loop.sample(cond, ids, idx, "rollout", seed=0, num_steps=[8, 8, 8])
     assert torch.equal(default, same) and torch.equal(rec.old_logp, rec_same.old_logp) and rec_same.sigma.ndim == 1
 
-    mixed, rec_mixed = engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 4, 6])
+    mixed, rec_mixed = loop.sample(cond, ids, idx, "rollout", seed=0, num_steps=[8, 4, 6])
     assert rec_mixed.sigma.shape == (3, 3) and rec_mixed.sigma_max.shape == (3,)
     # Each sample follows its own schedule: it equals a run configured with its step count outright.
-    four, rec_four = engine.with_config(num_steps=4).denoise(hidden[1:2], pooled[1:2], [5], [1], "rollout")
+    one = {k: v[1:2] for k, v in cond.items()}
+    four, rec_four = with_config(loop, num_steps=4).sample(one, [5], [1], "rollout", seed=0)
     assert max_abs_diff(mixed[1:2], four) <= 1e-5 and max_abs_diff(rec_mixed.old_logp[1:2], rec_four.old_logp) <= 1e-5
     assert torch.equal(rec_mixed.sigma[1], rec_four.sigma) and float(rec_mixed.sigma_max[1]) == rec_four.sigma_max
     # The per-sample record re-scores bit for bit: the C2 identity holds for mixed schedules too.
-    assert torch.equal(engine.dit_logprobs(rec_mixed), rec_mixed.old_logp)
+    assert torch.equal(loop.score(rec_mixed), rec_mixed.old_logp)
     with pytest.raises(ValueError, match="needs >= 3 steps"):
-        engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "rollout", num_steps=[8, 2, 8])
+        loop.sample(cond, ids, idx, "rollout", seed=0, num_steps=[8, 2, 8])
     with pytest.raises(ValueError, match="num_steps has 2 entries for 3 requests"):
-        engine.denoise(hidden, pooled, [5] * 3, [0, 1, 2], "serve", num_steps=[8, 2])
+        loop.sample(cond, ids, idx, "serve", seed=0, num_steps=[8, 2])
 
 
 # ----------------------------------------------------------------------------- seeded determinism
@@ -384,12 +407,60 @@ def test_batch_invariance_with_a_negative_control(built):
     assert control > 0.0, "negative control: batched float32 GEMM on CPU should not be bitwise equal to one row"
 
     model, _ = built
-    engine = model.engine.with_config(micro_batch_size=1)
-    hidden, pooled = model.text_encoder.encode(["a red circle"] * 5)
-    batched, rec_b = engine.denoise(hidden, pooled, [20, 21, 22, 23, 24], [0, 1, 2, 3, 4], "rollout")
-    alone, rec_a = engine.denoise(hidden[3:4], pooled[3:4], [23], [3], "rollout")
+    loop = with_config(model.diffusion_denoise, micro_batch_size=1)
+    cond = model.generator.encode(["a red circle"] * 5)
+    batched, rec_b = loop.sample(cond, [20, 21, 22, 23, 24], [0, 1, 2, 3, 4], "rollout", seed=0)
+    alone, rec_a = loop.sample({k: v[3:4] for k, v in cond.items()}, [23], [3], "rollout", seed=0)
     assert max_abs_diff(batched[3], alone[0]) == 0.0
     assert max_abs_diff(rec_b.old_logp[3], rec_a.old_logp[0]) == 0.0
+
+
+# ------------------------------------------------------------------------------------ protocols
+
+# What each gate reads from the module (unirl_pl/callbacks/protocol.py), checked in its setup().
+GATE_NEEDS = {
+    LogProbIdentityCheck: ["experts", "loss_settings", "recompute_logprobs", "trained"],
+    InterleaveParityCheck: ["ar_decode", "diffusion_denoise", "generator"],
+    WeightVersionLedger: ["ledger", "trained"],
+}
+PROTOCOLS = {LogProbIdentityCheck: "RecomputingModule", InterleaveParityCheck: "SamplingModule"}
+
+
+def _refusal(gate: pl.Callback, module) -> str:
+    with pytest.raises(TypeError) as err:
+        gate.setup(None, module, "fit")
+    return str(err.value)
+
+
+def _check_setup_refuses_what_lacks_the_protocol(gate_cls: type, built) -> None:
+    needs = GATE_NEEDS[gate_cls]
+    protocol = PROTOCOLS.get(gate_cls, "VersionedModule")
+    gate = gate_cls()
+    # Nothing offered: every name is listed, with the gate, the protocol and the refused module's type.
+    for bare in (SimpleNamespace(), pl.LightningModule()):
+        msg = _refusal(gate, bare)
+        offers = f"{gate_cls.__name__} needs a module that offers {', '.join(needs)} ({protocol}); "
+        assert msg == offers + f"{type(bare).__name__} does not", msg
+    # One name missing: only that name is listed.
+    for missing in needs:
+        partial = SimpleNamespace(**{n: None for n in needs if n != missing})
+        msg = _refusal(gate, partial)
+        assert f"offers {missing} ({protocol})" in msg, (missing, msg)
+    # Control: the trainer's module offers everything and is accepted.
+    model, _ = built
+    assert gate.setup(None, model, "fit") is None
+
+
+def test_c2_setup_refuses_a_module_without_the_recompute_protocol(built):
+    _check_setup_refuses_what_lacks_the_protocol(LogProbIdentityCheck, built)
+
+
+def test_parity_setup_refuses_a_module_without_the_sampling_protocol(built):
+    _check_setup_refuses_what_lacks_the_protocol(InterleaveParityCheck, built)
+
+
+def test_ledger_setup_refuses_a_module_without_the_versioned_protocol(built):
+    _check_setup_refuses_what_lacks_the_protocol(WeightVersionLedger, built)
 
 
 # ------------------------------------------------------------------------------------- fit level
@@ -450,6 +521,6 @@ def test_fit_parity_fires_at_fit_start_before_any_rollout(tmp_path, monkeypatch)
     def no_rollout(*args, **kwargs):
         raise AssertionError("a rollout ran before the parity gate")
 
-    monkeypatch.setattr(UniRLModule, "collect_experience", no_rollout)
+    monkeypatch.setattr(ExperienceSource, "collect", no_rollout)
     with pytest.raises(InterleaveParityError, match="at step 0"):
         fit(tmp_path, [InterleaveParityCheck(num_requests=2, profiles=("rollout",))], "--trainer.max_steps=1")

@@ -40,7 +40,7 @@ def test_prompt_only_learns_a_refiner_reward_and_keeps_the_dit_frozen(tmp_path):
     rows = read_metrics(cli)
     reward = series(rows, "reward/mean")
     assert _rise(reward) > 0.2, reward
-    assert _same(_fresh(FlowTransformerExpert), cli.model.transformer.state_dict())
+    assert _same(_fresh(FlowTransformerExpert), cli.model.generator.transformer.state_dict())
     assert set(series(rows, "version/transformer")) == {0.0}
     assert "transformer/pg_loss" not in set().union(*rows)
 
@@ -95,13 +95,13 @@ def test_joint_changes_both_adapters(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=3", "--trainer.limit_val_batches=0")
     dit_before = _lora(_fresh(FlowTransformerExpert))
     llm_before = _lora(_fresh(CausalLMExpert))
-    dit_after = _lora(cli.model.transformer.state_dict())
+    dit_after = _lora(cli.model.generator.transformer.state_dict())
     llm_after = _lora(cli.model.llm.state_dict())
     assert dit_before and llm_before
     assert not _same(dit_before, dit_after)
     assert not _same(llm_before, llm_after)
     base = {k: v for k, v in _fresh(FlowTransformerExpert).items() if "lora" not in k}
-    assert _same(base, {k: v for k, v in cli.model.transformer.state_dict().items() if "lora" not in k})
+    assert _same(base, {k: v for k, v in cli.model.generator.transformer.state_dict().items() if "lora" not in k})
 
 
 @pytest.mark.parametrize("scheme", ["hierarchical"])
@@ -110,7 +110,7 @@ def test_hierarchical_scheme_runs_and_groups_the_dit_by_refinement(tmp_path, sch
         tmp_path,
         "--trainer.max_steps=2",
         "--trainer.limit_val_batches=0",
-        f"--data.advantage_scheme={scheme}",
+        f"--model.advantage.scheme={scheme}",
         "--data.images_per_refinement=2",
     )
     rows = read_metrics(cli)

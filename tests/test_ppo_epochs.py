@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unirl_pl.module as module_mod
+import unirl_pl.method.grpo as grpo
 from tests.helpers import read_metrics, run_cli, series
 
 FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.rollout.sde_window=[0,2]")
@@ -35,8 +35,8 @@ def test_ratio_leaves_one_only_from_the_second_epoch(tmp_path, monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(module_mod, "grpo_token_loss", recording("llm", module_mod.grpo_token_loss))
-    monkeypatch.setattr(module_mod, "flow_grpo_loss", recording("transformer", module_mod.flow_grpo_loss))
+    monkeypatch.setattr(grpo, "grpo_token_loss", recording("llm", grpo.grpo_token_loss))
+    monkeypatch.setattr(grpo, "flow_grpo_loss", recording("transformer", grpo.flow_grpo_loss))
     run_cli(tmp_path, "--trainer.max_steps=2", EPOCHS, *FAST)
     for name, tol in (("llm", 1e-5), ("transformer", 0.0)):
         ratios = seen[name]

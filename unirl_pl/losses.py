@@ -63,7 +63,11 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class LossOutput:
-    """A loss and its detached statistics (ratio mean, clip fractions, KL) for logging."""
+    """A loss and its detached statistics (ratio mean, clip fractions, KL) for logging.
+
+    ``backpropagated`` marks a loss whose gradients were already accumulated piece by piece (its ``loss``
+    is then detached and only logged).
+    """
 
     loss: Tensor
     pg_loss: Tensor
@@ -73,6 +77,7 @@ class LossOutput:
     ratio_max: Tensor
     clip_frac_high: Tensor
     clip_frac_low: Tensor
+    backpropagated: bool = False
 
     @property
     def clip_frac(self) -> Tensor:

@@ -9,7 +9,7 @@ loops are :mod:`unirl_pl.loops`, the conditioning :mod:`unirl_pl.conditioning`, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -30,13 +30,11 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss, dit_loss, lm_loss
 from unirl_pl.method.experience import ExperienceSource
+from unirl_pl.method.grpo import weighted_loss
 from unirl_pl.metrics import loss_metrics, rollout_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.versioning import VersionLedger
-
-# Each loop's policy loss and its expert's reference context.
-_LOSSES: dict[str, Callable[..., LossOutput]] = {"ar_decode": lm_loss, "diffusion_denoise": dit_loss}
 
 
 def _default_llm_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -213,12 +211,20 @@ class UniRLModule(pl.LightningModule):
     # ------------------------------------------------------------------ training
     def _loss(self, name: str, exp: Experience) -> LossOutput | None:
         expert = self.experts()[name]
-        outputs = [
-            _LOSSES[loop](
-                self._loop(loop), exp.records[loop], exp.advantages[loop], self.losses[name], expert.adapter_disabled
+        outputs = []
+        for loop in self._loops_with_records(name, exp):
+            args = (
+                self._loop(loop),
+                exp.records[loop],
+                exp.advantages[loop],
+                self.losses[name],
+                expert.adapter_disabled,
             )
-            for loop in self._loops_with_records(name, exp)
-        ]
+            if loop == "diffusion_denoise":
+                # Backward per denoising step: peak memory holds one step's graph, not the whole window's.
+                outputs.append(dit_loss(*args, backward=self.manual_backward))
+            else:
+                outputs.append(lm_loss(*args))
         # One expert per loop on the unified card; a mixture-of-transformers card sums its loops' losses.
         if not outputs:
             return None
@@ -266,8 +272,9 @@ class UniRLModule(pl.LightningModule):
             if not outputs:
                 continue
             # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
-            weights = {n: self._token_weight(n, exp) for n in outputs}
-            self.manual_backward(sum(weights[n] * o.loss for n, o in outputs.items()))
+            pending = [self._token_weight(n, exp) * o.loss for n, o in outputs.items() if not o.backpropagated]
+            if pending:
+                self.manual_backward(sum(pending))
             for i, name in enumerate(outputs):
                 grad_norm = self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)
                 if epoch == 0:
@@ -347,6 +354,6 @@ class UniRLModule(pl.LightningModule):
 
 def _sum_losses(outputs: list[LossOutput]) -> LossOutput:
     """One expert trained by several loops: the losses add, the statistics are the loops' means."""
-    stack = {f: torch.stack([getattr(o, f) for o in outputs]) for f in LossOutput.__dataclass_fields__}
-    total = {f: v.sum() if f in ("loss", "pg_loss", "kl") else v.mean() for f, v in stack.items()}
-    return LossOutput(**total)
+    merged = weighted_loss([(1.0 / len(outputs), o) for o in outputs])
+    n = float(len(outputs))
+    return replace(merged, loss=sum(o.loss for o in outputs), pg_loss=merged.pg_loss * n, kl=merged.kl * n)

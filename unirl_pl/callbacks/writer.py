@@ -1,4 +1,5 @@
-"""Writes ``predict`` results: one PNG per image, a captioned grid per batch, and ``predictions.jsonl``."""
+"""Writes ``predict`` results: one PNG per image (an animated WebP per video), a captioned grid per batch,
+and ``predictions.jsonl``."""
 
 from __future__ import annotations
 
@@ -47,12 +48,20 @@ class ImageWriter(BasePredictionWriter):
         dataloader_idx: int,
     ) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        images = (prediction["images"].float().clamp(0, 1) * 255).round().byte().permute(0, 2, 3, 1).cpu().numpy()
+        pixels = (prediction["images"].float().clamp(0, 1) * 255).round().byte().cpu()
+        video = pixels.ndim == 5
+        # Videos (N, F, 3, H, W): an animated WebP each, and the grid shows their frames side by side.
+        frames = pixels.permute(0, 1, 3, 4, 2).numpy() if video else pixels.permute(0, 2, 3, 1).numpy()[:, None]
+        images = np.concatenate(list(frames.transpose(1, 0, 2, 3, 4)), axis=2) if video else frames[:, 0]
         rows = []
         with (self.output_dir / "predictions.jsonl").open("a") as f:
             for i, img in enumerate(images):
-                name = f"{trainer.global_rank}_{batch_idx:04d}_{i:02d}.png"
-                Image.fromarray(np.ascontiguousarray(img)).save(self.output_dir / name)
+                name = f"{trainer.global_rank}_{batch_idx:04d}_{i:02d}." + ("webp" if video else "png")
+                if video:
+                    clip = [Image.fromarray(np.ascontiguousarray(frame)) for frame in frames[i]]
+                    clip[0].save(self.output_dir / name, save_all=True, append_images=clip[1:], duration=125, loop=0)
+                else:
+                    Image.fromarray(np.ascontiguousarray(img)).save(self.output_dir / name)
                 row = {
                     "file": name,
                     "prompt": prediction["prompts"][i],
@@ -69,14 +78,15 @@ class ImageWriter(BasePredictionWriter):
         text_h = 4 * 12
         cols = min(self.columns, len(images))
         n_rows = (len(images) + cols - 1) // cols
-        sheet = Image.new("RGB", (cols * self.tile, n_rows * (self.tile + text_h)), "white")
+        # Tiles keep the aspect ratio; a video's tile is its frames in a row.
+        tile_w = -(-self.tile * images.shape[2] // images.shape[1])
+        sheet = Image.new("RGB", (cols * tile_w, n_rows * (self.tile + text_h)), "white")
         draw = ImageDraw.Draw(sheet)
         width = max(8, self.tile // 6)
         for i, (img, row) in enumerate(zip(images, rows, strict=True)):
-            x, y = (i % cols) * self.tile, (i // cols) * (self.tile + text_h)
-            sheet.paste(
-                Image.fromarray(np.ascontiguousarray(img)).resize((self.tile, self.tile), Image.NEAREST), (x, y)
-            )
+            x, y = (i % cols) * tile_w, (i // cols) * (self.tile + text_h)
+            tile = Image.fromarray(np.ascontiguousarray(img))
+            sheet.paste(tile.resize((tile_w, self.tile), Image.NEAREST), (x, y))
             lines = [
                 textwrap.shorten(row["prompt"], width),
                 "-> " + textwrap.shorten(row["refined"] or "(empty)", width - 3),

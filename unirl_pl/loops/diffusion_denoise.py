@@ -43,12 +43,17 @@ class DiffusionDenoise:
         self.generator, self.config = generator, config
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
-        """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on."""
-        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(x.shape[0])
-        v = self.generator.velocity(x, s, cond)
+        """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on.
+
+        Guidance runs the conditional and unconditional inputs as one batched forward (half the weight
+        reads and launches of two); rollout and the recompute both do, so the DiT's C2 stays bitwise.
+        """
+        n = x.shape[0]
+        s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(n)
         if uncond is None or not self.config.guided:
-            return v
-        v0 = self.generator.velocity(x, s, cond_expand(uncond, x.shape[0]))
+            return self.generator.velocity(x, s, cond)
+        both = {k: torch.cat([cond[k], v]) for k, v in cond_expand(uncond, n).items()}
+        v, v0 = self.generator.velocity(torch.cat([x, x]), torch.cat([s, s]), both).split(n)
         return v0 + self.config.guidance_scale * (v - v0)
 
     @torch.no_grad()

@@ -91,6 +91,15 @@ class GroupLayout:
         return [j * m + i for j in self.text_sample_index(p) for i in range(m)]
 
 
+def check_scheme(config: AdvantageConfig, layout: GroupLayout) -> None:
+    """Refuse a scheme the layout cannot support: ``hierarchical`` groups M images of one refinement."""
+    if config.scheme == "hierarchical" and layout.images_per_refinement < 2:
+        raise ValueError(
+            "model.advantage.scheme 'hierarchical' groups the DiT by refinement: it needs "
+            f"data.images_per_refinement >= 2, got {layout.images_per_refinement}"
+        )
+
+
 def compute_advantages(
     rewards: Tensor,
     layout: GroupLayout,
@@ -102,6 +111,7 @@ def compute_advantages(
 
     ``batch_std`` returns the std of the global batch (all ranks) for ``global_std``, or None on one process.
     """
+    check_scheme(config, layout)
     m = layout.images_per_refinement
     text_rewards = rewards.view(-1, m).mean(1)
     prompt_of_text = layout.text_prompt(p)

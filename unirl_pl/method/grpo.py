@@ -69,24 +69,54 @@ def lm_loss(
 
 
 def dit_loss(
-    loop: DiffusionDenoise, record: DiTRecord, advantages: Tensor, settings: ExpertLoss, reference: Reference
+    loop: DiffusionDenoise,
+    record: DiTRecord,
+    advantages: Tensor,
+    settings: ExpertLoss,
+    reference: Reference,
+    backward: Callable[[Tensor], None] | None = None,
 ) -> LossOutput:
-    """Flow-GRPO of the generator over every recorded SDE step of ``record``."""
-    logps, kls = [], []
-    for step in range(record.num_steps):
-        step_logp, step_kl = [], []
-        for chunk in record.chunks:
-            logp, mean, std = loop.step_logprob(record, step, chunk)
-            step_logp.append(logp)
-            if settings.beta > 0:
-                with torch.no_grad(), reference():
-                    _, ref_mean, _ = loop.step_logprob(record, step, chunk)
-                step_kl.append(flow_kl(mean, ref_mean, std))
-        logps.append(torch.cat(step_logp))
-        if step_kl:
-            kls.append(torch.cat(step_kl))
-    # Averaging over (sample, step) pairs matches Flow-GRPO's gradient accumulation over timesteps.
-    logp = torch.stack(logps, 1).flatten()
-    adv = advantages.repeat_interleave(record.num_steps)
-    kl = torch.stack(kls, 1).flatten() if kls else None
-    return flow_grpo_loss(logp, record.old_logp.flatten(), adv, kl=kl, clip_eps=settings.clip_eps, beta=settings.beta)
+    """Flow-GRPO of the generator over every recorded SDE step of ``record``.
+
+    The loss is the mean over (sample, step) pairs, which matches Flow-GRPO's gradient accumulation over
+    timesteps. With ``backward`` each (step, micro-batch) term is backpropagated as soon as it is computed
+    and its graph freed, so peak memory holds one step's activations whatever the window (the returned
+    loss is then detached and marked ``backpropagated``); without it the terms are summed into one graph.
+    """
+    total = record.old_logp.numel()
+    parts: list[tuple[float, LossOutput]] = []
+    for step, (a, b) in record.steps():
+        logp, mean, std = loop.step_logprob(record, step, (a, b))
+        kl = None
+        if settings.beta > 0:
+            with torch.no_grad(), reference():
+                _, ref_mean, _ = loop.step_logprob(record, step, (a, b))
+            kl = flow_kl(mean, ref_mean, std)
+        out = flow_grpo_loss(
+            logp, record.old_logp[a:b, step], advantages[a:b], kl=kl, clip_eps=settings.clip_eps, beta=settings.beta
+        )
+        weight = (b - a) / total
+        if backward is not None:
+            backward(weight * out.loss)
+        parts.append((weight, out))
+    return weighted_loss(parts, backpropagated=backward is not None)
+
+
+def weighted_loss(parts: list[tuple[float, LossOutput]], backpropagated: bool = False) -> LossOutput:
+    """One loss from terms that are means over disjoint slices: ``sum(w * term)`` with ``w`` the slice's share.
+
+    Means and fractions combine the same way; the ratio's min and max are over all slices.
+    """
+    loss = sum(w * o.loss for w, o in parts)
+    assert isinstance(loss, Tensor)
+    return LossOutput(
+        loss=loss.detach() if backpropagated else loss,
+        pg_loss=sum(w * o.pg_loss for w, o in parts),
+        kl=sum(w * o.kl for w, o in parts),
+        ratio_mean=sum(w * o.ratio_mean for w, o in parts),
+        ratio_min=torch.stack([o.ratio_min for _, o in parts]).min(),
+        ratio_max=torch.stack([o.ratio_max for _, o in parts]).max(),
+        clip_frac_high=sum(w * o.clip_frac_high for w, o in parts),
+        clip_frac_low=sum(w * o.clip_frac_low for w, o in parts),
+        backpropagated=backpropagated,
+    )

@@ -192,12 +192,30 @@ class WeightedSum:
     def __call__(
         self, prompts: list[str], refined_prompts: list[str], images: Tensor
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error."""
+        """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
+
+        For videos (N, F, 3, H, W) an image reward scores every frame and the video gets the frames' mean.
+        """
         parts: dict[str, Tensor] = {}
         for name, fn in self.terms.items():
+            if images.ndim == 5 and not getattr(fn, "accepts_video", False):
+                parts[name] = _frame_mean(name, fn, prompts, refined_prompts, images)
+                continue
             values = fn(prompts, refined_prompts, images)
             if len(values) != len(prompts):
                 raise ValueError(f"reward {name!r} returned {len(values)} values for {len(prompts)} samples")
             parts[name] = torch.as_tensor(values, dtype=torch.float32)
         total = sum(self.weights[n] * v for n, v in parts.items())
         return total, parts
+
+
+def _frame_mean(name: str, fn: RewardFn, prompts: list[str], refined: list[str], videos: Tensor) -> Tensor:
+    """An image reward on videos (N, F, 3, H, W): every frame scored with its video's prompts, then averaged.
+
+    Rewards that score videos themselves set ``accepts_video = True`` and get the 5-D tensor.
+    """
+    n, f = videos.shape[:2]
+    values = fn([p for p in prompts for _ in range(f)], [r for r in refined for _ in range(f)], videos.flatten(0, 1))
+    if len(values) != n * f:
+        raise ValueError(f"reward {name!r} returned {len(values)} values for {n * f} frames")
+    return torch.as_tensor(values, dtype=torch.float32).view(n, f).mean(1)

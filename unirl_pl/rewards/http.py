@@ -136,6 +136,8 @@ class HTTPReward:
         headers: Extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``.
     """
 
+    accepts_video = True  # reads (N, F, 3, H, W) itself
+
     def __init__(
         self,
         url: str,

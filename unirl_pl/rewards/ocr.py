@@ -75,6 +75,8 @@ class OCRReward:
         video_frames: How many evenly spaced frames of a video to read; None reads all.
     """
 
+    accepts_video = True  # reads (N, F, 3, H, W) itself
+
     def __init__(
         self,
         min_confidence: float = 0.5,
