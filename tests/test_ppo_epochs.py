@@ -38,10 +38,13 @@ def test_ratio_leaves_one_only_from_the_second_epoch(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "grpo_token_loss", recording("llm", grpo.grpo_token_loss))
     monkeypatch.setattr(grpo, "flow_grpo_loss", recording("transformer", grpo.flow_grpo_loss))
     run_cli(tmp_path, "--trainer.max_steps=2", EPOCHS, *FAST)
-    for name, tol in (("llm", 1e-5), ("transformer", 0.0)):
+    # Loss calls per PPO epoch: one for the LM, one per SDE window step for the DiT (window [0, 2]).
+    for name, per_epoch, tol in (("llm", 1, 1e-5), ("transformer", 2, 0.0)):
         ratios = seen[name]
-        assert len(ratios) == 4, (name, ratios)
-        first, second = ratios[0::2], ratios[1::2]
+        assert len(ratios) == 2 * 2 * per_epoch, (name, ratios)  # 2 RL steps x 2 epochs
+        epochs = [ratios[i : i + per_epoch] for i in range(0, len(ratios), per_epoch)]
+        first = [r for group in epochs[0::2] for r in group]
+        second = [r for group in epochs[1::2] for r in group]
         # On-policy first pass: the DiT recompute is bitwise, the LM within kernel noise.
         assert all(r <= tol for r in first), (name, first)
         assert all(r > 1e-5 for r in second), (name, second)

@@ -35,12 +35,14 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from unirl_pl.distributed import shard_experts
-        from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert
-        from unirl_pl.rollout import RolloutConfig, RolloutEngine
+        from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert
+        from unirl_pl.generators import ComponentGenerator
+        from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 
-        llm, dit = CausalLMExpert(), FlowTransformerExpert()
+        llm, dit = CausalLMExpert(), FlowTransformerExpert(in_channels=3)
+        generator = ComponentGenerator(dit, TextEncoderExpert(), vae=None)
         llm.build()
-        dit.build()
+        generator.build()
         mesh = init_device_mesh("cpu", (2,))
         shard_experts({"llm": llm, "transformer": dit}, ["llm", "transformer"], mesh, reshard_after_forward=True)
         eos = llm.eos_token_id
@@ -55,12 +57,12 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
             return out
 
         llm.forward = forced
-        engine = RolloutEngine(llm, dit, RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=4, sde_window=(0, 2)))
-        _, record = engine.refine(["a red circle", "a blue square"], [rank, rank + 2], [0, 0], "rollout")
+        config = RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=4, sde_window=(0, 2))
+        prompts = ["a red circle", "a blue square"]
+        _, record = ARDecode(llm, config).sample(prompts, [rank, rank + 2], [0, 0], "rollout", seed=0)
         lengths = record.gen_mask.sum(1).tolist()
         # Per-request step counts: rank 0's requests finish after 2 steps, rank 1's run 4.
-        hidden = torch.zeros(2, 24, 32)
-        pooled = torch.zeros(2, 32)
+        cond = {"hidden": torch.zeros(2, 24, 32), "pooled": torch.zeros(2, 32)}
         counts = [2, 2] if rank == 0 else [4, 4]
         velocity_calls = []
         inner_velocity = dit.velocity
@@ -70,7 +72,7 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
             return inner_velocity(*args, **kwargs)
 
         dit.velocity = counted
-        engine.denoise(hidden, pooled, [rank, rank + 2], [0, 0], "serve", num_steps=counts)
+        DiffusionDenoise(generator, config).sample(cond, [rank, rank + 2], [0, 0], "serve", seed=0, num_steps=counts)
         Path(out_dir, f"rank{rank}.txt").write_text(f"{lengths} {len(forwards)} {len(velocity_calls)}")
     finally:
         dist.destroy_process_group()

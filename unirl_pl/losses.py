@@ -89,6 +89,23 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1)
 
 
+def _policy_loss_output(
+    loss: Tensor, pg: Tensor, kl: Tensor, ratios: Tensor, clip_frac_high: Tensor, clip_frac_low: Tensor
+) -> LossOutput:
+    """``LossOutput`` of a clipped policy loss: ``pg`` and ``kl`` detached, ``ratios`` (the detached
+    importance ratios of the real terms) summarized by mean, min and max."""
+    return LossOutput(
+        loss=loss,
+        pg_loss=pg.detach(),
+        kl=kl.detach(),
+        ratio_mean=ratios.mean(),
+        ratio_min=ratios.min(),
+        ratio_max=ratios.max(),
+        clip_frac_high=clip_frac_high,
+        clip_frac_low=clip_frac_low,
+    )
+
+
 def clipped_surrogate(
     logp: Tensor, old_logp: Tensor, advantages: Tensor, clip_eps: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -132,16 +149,7 @@ def grpo_token_loss(
     loss = pg + beta * kl if ref_logp is not None else pg
     real = mask.bool()
     r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
-    return LossOutput(
-        loss=loss,
-        pg_loss=pg.detach(),
-        kl=kl.detach(),
-        ratio_mean=r.mean(),
-        ratio_min=r.min(),
-        ratio_max=r.max(),
-        clip_frac_high=_masked_mean(high, mask).detach(),
-        clip_frac_low=_masked_mean(low, mask).detach(),
-    )
+    return _policy_loss_output(loss, pg, kl, r, _masked_mean(high, mask).detach(), _masked_mean(low, mask).detach())
 
 
 def flow_grpo_loss(
@@ -163,14 +171,4 @@ def flow_grpo_loss(
     pg = per_sample.mean()
     kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
     loss = pg + beta * kl_mean if kl is not None else pg
-    r = ratio.detach()
-    return LossOutput(
-        loss=loss,
-        pg_loss=pg.detach(),
-        kl=kl_mean.detach(),
-        ratio_mean=r.mean(),
-        ratio_min=r.min(),
-        ratio_max=r.max(),
-        clip_frac_high=high.mean(),
-        clip_frac_low=low.mean(),
-    )
+    return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())

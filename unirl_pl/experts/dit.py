@@ -2,35 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders import SD3LoraLoaderMixin
-from peft import LoraConfig, set_peft_model_state_dict
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft import set_peft_model_state_dict
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from unirl_pl.experts._common import (
-    check_positive,
-    preserved_requires_grad,
-    resolve_dtype,
-    seeded_cpu_init,
-)
+from unirl_pl.experts._common import check_positive, seeded_cpu_init
+from unirl_pl.experts.base import LoRAExpert
 
 DEFAULT_DIT_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
-# Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference.
-_LORA_INITS: dict[str, bool | str] = {"gaussian": "gaussian", "default": True}
 # Prefix the SD3 pipeline's ``save_lora_weights`` puts on transformer keys; loaders filter on it.
 _PIPELINE_PREFIX = "transformer"
 _LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-class FlowTransformerExpert(torch.nn.Module):
+class FlowTransformerExpert(LoRAExpert):
     """Generator expert: a flow-matching diffusion transformer whose only trainable weights are LoRA.
 
     The constructor only records and validates its arguments; ``build()`` (called from the
@@ -87,7 +78,7 @@ class FlowTransformerExpert(torch.nn.Module):
         dtype: str = "float32",
         init_seed: int = 0,
     ) -> None:
-        super().__init__()
+        super().__init__(pretrained_path, dtype, init_seed)
         check_positive(
             sample_size=sample_size,
             patch_size=patch_size,
@@ -98,10 +89,8 @@ class FlowTransformerExpert(torch.nn.Module):
             joint_attention_dim=joint_attention_dim,
             caption_projection_dim=caption_projection_dim,
             pooled_projection_dim=pooled_projection_dim,
-            lora_alpha=lora_alpha,
         )
-        if lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_DIT_LORA_TARGETS, lora_init)
         if sample_size % patch_size:
             raise ValueError(f"patch_size ({patch_size}) must divide sample_size ({sample_size})")
         if num_attention_heads * attention_head_dim != caption_projection_dim:
@@ -110,33 +99,12 @@ class FlowTransformerExpert(torch.nn.Module):
                 f"caption_projection_dim ({caption_projection_dim}) must equal num_attention_heads * "
                 f"attention_head_dim ({num_attention_heads * attention_head_dim})"
             )
-        if lora_init not in _LORA_INITS:
-            raise ValueError(f"lora_init must be one of {sorted(_LORA_INITS)}, got {lora_init!r}")
-        if lora_target_modules is not None and not lora_target_modules:
-            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
-        self.pretrained_path = pretrained_path
         self.subfolder = subfolder
-        self.sample_size = sample_size
-        self.patch_size = patch_size
-        self.in_channels = in_channels
-        self.num_layers = num_layers
-        self.attention_head_dim = attention_head_dim
-        self.num_attention_heads = num_attention_heads
-        self.joint_attention_dim = joint_attention_dim
-        self.caption_projection_dim = caption_projection_dim
-        self.pooled_projection_dim = pooled_projection_dim
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha
-        self.lora_target_modules = list(lora_target_modules or DEFAULT_DIT_LORA_TARGETS)
-        self.lora_init = lora_init
-        self.dtype = resolve_dtype(dtype)
-        self.init_seed = init_seed
+        self.sample_size, self.patch_size, self.in_channels = sample_size, patch_size, in_channels
+        self.num_layers, self.attention_head_dim = num_layers, attention_head_dim
+        self.num_attention_heads, self.joint_attention_dim = num_attention_heads, joint_attention_dim
+        self.caption_projection_dim, self.pooled_projection_dim = caption_projection_dim, pooled_projection_dim
         self.model: SD3Transformer2DModel | None = None
-
-    @property
-    def is_built(self) -> bool:
-        """Whether ``build()`` has created the model."""
-        return self.model is not None
 
     def tiny_config(self) -> dict[str, Any]:
         """Keyword arguments of the tiny ``SD3Transformer2DModel`` this expert builds without a path."""
@@ -155,44 +123,12 @@ class FlowTransformerExpert(torch.nn.Module):
             "pos_embed_max_size": 2 * self.sample_size // self.patch_size,
         }
 
-    def lora_config(self) -> LoraConfig:
-        """The peft ``LoraConfig`` of this expert's adapter."""
-        return LoraConfig(
-            r=self.lora_rank,
-            lora_alpha=self.lora_alpha,
-            target_modules=self.lora_target_modules,
-            lora_dropout=0.0,
-            bias="none",
-            init_lora_weights=_LORA_INITS[self.lora_init],
-        )
-
     def build(self) -> None:
         """Create the model, freeze it and attach the LoRA adapter; a second call is a no-op."""
         if self.is_built:
             return
         with seeded_cpu_init(self.init_seed):
-            if self.pretrained_path is None:
-                model = SD3Transformer2DModel(**self.tiny_config())
-                if self.dtype != torch.float32:
-                    model = model.to(self.dtype)
-            else:
-                # ``torch_dtype`` (not ``.to``) keeps the modules diffusers pins to float32 in float32.
-                model = SD3Transformer2DModel.from_pretrained(
-                    self.pretrained_path, subfolder=self.subfolder, torch_dtype=self.dtype
-                )
-            model.requires_grad_(False)
-            model.add_adapter(self.lora_config())
-        # Optimizer states and small LoRA updates need float32 even when the base runs in bf16; peft
-        # casts activations to the LoRA weight dtype and back.
-        for param in model.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()
-        self.model = model
-
-    def _require_built(self) -> SD3Transformer2DModel:
-        if self.model is None:
-            raise RuntimeError("FlowTransformerExpert.build() must be called before using the model")
-        return self.model
+            self.model = self._attach_lora(self._diffusers_model(SD3Transformer2DModel))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -227,21 +163,6 @@ class FlowTransformerExpert(torch.nn.Module):
             return_dict=False,
         )
         return velocity.to(latents.dtype)
-
-    @contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """Context in which the model is the frozen reference policy (LoRA bypassed)."""
-        model = self._require_built()
-        already_disabled = any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
-        if already_disabled:  # nested use: the outer context re-enables
-            yield
-            return
-        with preserved_requires_grad(model):
-            model.disable_adapters()
-            try:
-                yield
-            finally:
-                model.enable_adapters()
 
     def save_adapter(self, path: str) -> None:
         """Save the LoRA adapter in the diffusers SD3 LoRA format.

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.utils import load_peft_weights
 from transformers import (
     AutoModelForCausalLM,
@@ -18,20 +17,15 @@ from transformers import (
 )
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from unirl_pl.experts._common import (
-    check_divisible,
-    check_positive,
-    preserved_requires_grad,
-    resolve_dtype,
-    seeded_cpu_init,
-)
+from unirl_pl.experts._common import check_divisible, check_positive, seeded_cpu_init
+from unirl_pl.experts.base import LoRAExpert
 from unirl_pl.experts.chat import ChatFormat, format_requests, parse_reply
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
 
 DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-class CausalLMExpert(torch.nn.Module):
+class CausalLMExpert(LoRAExpert):
     """Prompt-refiner expert: a causal LM whose only trainable weights are a LoRA adapter.
 
     The constructor only records and validates its arguments; ``build()`` (called from the
@@ -64,6 +58,8 @@ class CausalLMExpert(torch.nn.Module):
             its continuation as the refinement.
     """
 
+    lora_task_type = "CAUSAL_LM"
+
     def __init__(
         self,
         pretrained_path: str | None = None,
@@ -80,43 +76,25 @@ class CausalLMExpert(torch.nn.Module):
         initializer_range: float = 0.2,
         chat: ChatFormat | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(pretrained_path, dtype, init_seed)
         check_positive(
             hidden_size=hidden_size,
             num_layers=num_layers,
             num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads,
             intermediate_size=intermediate_size,
-            lora_alpha=lora_alpha,
             initializer_range=initializer_range,
         )
-        if lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
+        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_LLM_LORA_TARGETS)
         check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
         check_divisible(num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
-        if lora_target_modules is not None and not lora_target_modules:
-            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
-        self.pretrained_path = pretrained_path
-        self.hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.intermediate_size = intermediate_size
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha
-        self.lora_target_modules = list(lora_target_modules or DEFAULT_LLM_LORA_TARGETS)
-        self.dtype = resolve_dtype(dtype)
-        self.init_seed = init_seed
+        self.hidden_size, self.num_layers, self.intermediate_size = hidden_size, num_layers, intermediate_size
+        self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
         self.initializer_range = initializer_range
         self.chat = chat
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: PeftModel | None = None
         self._cache_arg_name = "past_key_values"
-
-    @property
-    def is_built(self) -> bool:
-        """Whether ``build()`` has created the tokenizer and model."""
-        return self.model is not None
 
     def build(self) -> None:
         """Create the tokenizer and the LoRA-wrapped model; a second call is a no-op.
@@ -134,19 +112,7 @@ class CausalLMExpert(torch.nn.Module):
             else:
                 # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
                 base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
-            base.requires_grad_(False)
-            lora = LoraConfig(
-                r=self.lora_rank,
-                lora_alpha=self.lora_alpha,
-                target_modules=self.lora_target_modules,
-                lora_dropout=0.0,
-                bias="none",
-                task_type="CAUSAL_LM",
-            )
-            with warnings.catch_warnings():
-                # peft still calls a transformers helper that transformers 5 deprecated; not actionable here.
-                warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-                model = get_peft_model(base, lora)
+            model = self._attach_lora(base)
         params = inspect.signature(base.forward).parameters
         self._cache_arg_name = "cache" if "cache" in params else "past_key_values"
         self.tokenizer = tokenizer
@@ -180,15 +146,16 @@ class CausalLMExpert(torch.nn.Module):
             bos_token_id=tokenizer.bos_token_id,
         )
 
-    def _require_built(self) -> PeftModel:
-        if self.model is None:
-            raise RuntimeError("CausalLMExpert.build() must be called before using the model")
-        return self.model
+    def _attach_lora(self, model: Qwen2ForCausalLM) -> PeftModel:
+        """Freeze ``model`` and wrap it in a ``PeftModel`` with the adapter (LoRA weights in float32)."""
+        model.requires_grad_(False)
+        with warnings.catch_warnings():
+            # peft still calls a transformers helper that transformers 5 deprecated; not actionable here.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            return get_peft_model(model, self.lora_config())
 
-    def _require_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.tokenizer is None:
-            raise RuntimeError("CausalLMExpert.build() must be called before using the tokenizer")
-        return self.tokenizer
+    def _bypass_adapter(self, model: PeftModel) -> AbstractContextManager[None]:
+        return model.disable_adapter()
 
     def forward(
         self,
@@ -213,13 +180,6 @@ class CausalLMExpert(torch.nn.Module):
             use_cache=use_cache,
             **cache_kwarg,
         )
-
-    @contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """Context in which the model is the frozen reference policy (LoRA bypassed)."""
-        model = self._require_built()
-        with preserved_requires_grad(model), model.disable_adapter():
-            yield
 
     @property
     def pad_token_id(self) -> int:

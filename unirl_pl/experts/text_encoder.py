@@ -9,11 +9,12 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from unirl_pl.experts._common import check_divisible, check_positive, freeze, resolve_dtype, seeded_cpu_init
+from unirl_pl.experts._common import check_divisible, check_positive, freeze, seeded_cpu_init
+from unirl_pl.experts.base import FrozenExpert
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
 
 
-class TextEncoderExpert(torch.nn.Module):
+class TextEncoderExpert(FrozenExpert):
     """Frozen text encoder giving the generator its per-token and pooled prompt features.
 
     The constructor only records and validates its arguments; ``build()`` creates the tokenizer and a
@@ -41,6 +42,8 @@ class TextEncoderExpert(torch.nn.Module):
         dtype: Dtype of the weights: ``float32``, ``bfloat16`` or ``float16``.
     """
 
+    unbuilt_use = unbuilt_tokenizer_use = "encoding"
+
     def __init__(
         self,
         pretrained_path: str | None = None,
@@ -55,7 +58,7 @@ class TextEncoderExpert(torch.nn.Module):
         init_seed: int = 1,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
+        super().__init__(pretrained_path, dtype, init_seed)
         check_positive(
             hidden_size=hidden_size,
             num_layers=num_layers,
@@ -66,24 +69,12 @@ class TextEncoderExpert(torch.nn.Module):
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (a token and end-of-text), got {max_length}")
         check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
-        self.pretrained_path = pretrained_path
-        self.subfolder = subfolder
-        self.tokenizer_subfolder = tokenizer_subfolder
-        self._hidden_size = hidden_size
-        self.num_layers = num_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.projection_dim = projection_dim
+        self.subfolder, self.tokenizer_subfolder = subfolder, tokenizer_subfolder
+        self._hidden_size, self.num_layers, self.num_attention_heads = hidden_size, num_layers, num_attention_heads
+        self.intermediate_size, self.projection_dim = intermediate_size, projection_dim
         self.max_length = max_length
-        self.init_seed = init_seed
-        self.dtype = resolve_dtype(dtype)
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: CLIPTextModelWithProjection | None = None
-
-    @property
-    def is_built(self) -> bool:
-        """Whether ``build()`` has created the tokenizer and model."""
-        return self.model is not None
 
     def tiny_config(self, tokenizer: PreTrainedTokenizerBase) -> CLIPTextConfig:
         """The ``CLIPTextConfig`` of the tiny model built over ``tokenizer`` when there is no path."""
@@ -121,11 +112,6 @@ class TextEncoderExpert(torch.nn.Module):
         self.tokenizer = tokenizer
         self.model = freeze(model)
 
-    def _require_built(self) -> tuple[PreTrainedTokenizerBase, CLIPTextModelWithProjection]:
-        if self.tokenizer is None or self.model is None:
-            raise RuntimeError("TextEncoderExpert.build() must be called before encoding")
-        return self.tokenizer, self.model
-
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         """Token ids (B, max_length): each text truncated, ending in end-of-text, then right-padded.
 
@@ -133,7 +119,7 @@ class TextEncoderExpert(torch.nn.Module):
         tokenizer adds no specials; CLIP's adds ``<|startoftext|>`` and ``<|endoftext|>``), because CLIP
         pools the features at the first end-of-text position.
         """
-        tokenizer, _ = self._require_built()
+        tokenizer = self._require_tokenizer()
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
         rows = []
         for ids in tokenizer(list(texts), truncation=True, max_length=self.max_length)["input_ids"]:
@@ -146,7 +132,7 @@ class TextEncoderExpert(torch.nn.Module):
     def encode(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode ``texts`` to ``(hidden, pooled)``: per-token features (B, max_length, hidden_size) from
         the last layer and pooled projected features (B, pooled_size), without gradients."""
-        _, model = self._require_built()
+        model = self._require_built()
         input_ids = self.tokenize(texts).to(model.device)
         # No attention mask, as in the diffusers SD3 pipeline: causal attention already keeps the
         # padding out of every position up to end-of-text, and the features then match that pipeline.
@@ -161,19 +147,15 @@ class TextEncoderExpert(torch.nn.Module):
         kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
         return CLIPTextConfig.from_pretrained(self.pretrained_path, **kwargs)
 
+    def _config_value(self, name: str) -> int:
+        return int(getattr(self._config(), name))
+
     @property
     def hidden_size(self) -> int:
         """Width of the per-token features (read from the checkpoint's config when loading one)."""
-        return int(self._config().hidden_size)
+        return self._config_value("hidden_size")
 
     @property
     def pooled_size(self) -> int:
         """Width of the pooled features (read from the checkpoint's config when loading one)."""
-        return int(self._config().projection_dim)
-
-    def train(self, mode: bool = True) -> TextEncoderExpert:
-        """Keep the frozen model in eval mode whatever mode the parent module is switched to."""
-        super().train(mode)
-        if self.model is not None:
-            self.model.eval()
-        return self
+        return self._config_value("projection_dim")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from diffusers import AutoencoderKL
 
-from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
+from unirl_pl.experts._common import check_positive, freeze, seeded_cpu_init
+from unirl_pl.experts.base import FrozenExpert
 
 
-class VAEExpert(torch.nn.Module):
+class VAEExpert(FrozenExpert):
     """Frozen VAE mapping between generator latents and images in [0, 1].
 
     The constructor only records and validates its arguments; ``build()`` creates a tiny
@@ -31,6 +34,8 @@ class VAEExpert(torch.nn.Module):
         dtype: Dtype of the weights: ``float32``, ``bfloat16`` or ``float16``.
     """
 
+    unbuilt_use = "encoding or decoding"
+
     def __init__(
         self,
         pretrained_path: str | None = None,
@@ -42,7 +47,7 @@ class VAEExpert(torch.nn.Module):
         init_seed: int = 2,
         dtype: str = "float32",
     ) -> None:
-        super().__init__()
+        super().__init__(pretrained_path, dtype, init_seed)
         block_out_channels = list(block_out_channels or [32, 32])
         check_positive(
             latent_channels=latent_channels,
@@ -55,20 +60,10 @@ class VAEExpert(torch.nn.Module):
                 f"norm_num_groups ({norm_num_groups}) must divide every entry of "
                 f"block_out_channels {block_out_channels}"
             )
-        self.pretrained_path = pretrained_path
         self.subfolder = subfolder
-        self._latent_channels = latent_channels
-        self.block_out_channels = block_out_channels
-        self.layers_per_block = layers_per_block
-        self.norm_num_groups = norm_num_groups
-        self.init_seed = init_seed
-        self.dtype = resolve_dtype(dtype)
+        self._latent_channels, self.block_out_channels = latent_channels, block_out_channels
+        self.layers_per_block, self.norm_num_groups = layers_per_block, norm_num_groups
         self.model: AutoencoderKL | None = None
-
-    @property
-    def is_built(self) -> bool:
-        """Whether ``build()`` has created the model."""
-        return self.model is not None
 
     def tiny_config(self) -> dict[str, object]:
         """Keyword arguments of the tiny ``AutoencoderKL`` this expert builds without a path."""
@@ -91,21 +86,9 @@ class VAEExpert(torch.nn.Module):
         """Create the frozen model; a second call is a no-op."""
         if self.is_built:
             return
-        if self.pretrained_path is None:
-            with seeded_cpu_init(self.init_seed):
-                model = AutoencoderKL(**self.tiny_config())
-            if self.dtype != torch.float32:
-                model = model.to(self.dtype)
-        else:
-            model = AutoencoderKL.from_pretrained(
-                self.pretrained_path, subfolder=self.subfolder, torch_dtype=self.dtype
-            )
-        self.model = freeze(model)
-
-    def _require_built(self) -> AutoencoderKL:
-        if self.model is None:
-            raise RuntimeError("VAEExpert.build() must be called before encoding or decoding")
-        return self.model
+        # Only the tiny model is built inside ``seeded_cpu_init``; a checkpoint loads as is.
+        with seeded_cpu_init(self.init_seed) if self.pretrained_path is None else nullcontext():
+            self.model = freeze(self._diffusers_model(AutoencoderKL))
 
     def _scale_shift(self) -> tuple[float, float]:
         config = self._require_built().config
@@ -145,10 +128,3 @@ class VAEExpert(torch.nn.Module):
     def latent_channels(self) -> int:
         """Channels of the latent."""
         return int(self._config_value("latent_channels"))
-
-    def train(self, mode: bool = True) -> VAEExpert:
-        """Keep the frozen model in eval mode whatever mode the parent module is switched to."""
-        super().train(mode)
-        if self.model is not None:
-            self.model.eval()
-        return self

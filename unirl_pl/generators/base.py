@@ -7,31 +7,22 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline, ModelMixin
 from peft import LoraConfig, set_peft_model_state_dict
-from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from unirl_pl.experts._common import (
-    check_positive,
-    freeze,
-    preserved_requires_grad,
-    resolve_dtype,
-    seeded_cpu_init,
-)
+from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
+from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
 from unirl_pl.records import Cond
 
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
-# Both set LoRA ``B`` to zero, so the adapted model starts exactly equal to the reference policy;
-# ``gaussian`` (A ~ N(0, 1/r)) is what Flow-GRPO uses.
-LORA_INITS: dict[str, bool | str] = {"gaussian": "gaussian", "default": True}
 # The q/k/v/out projections of both streams of an MMDiT joint attention (SD3, FLUX). Flow-GRPO's SD3.5
 # targets; the ``attn.`` prefix leaves the extra ``attn2`` of SD3.5's dual-attention blocks alone, and
 # FLUX's single blocks match on their q/k/v.
@@ -128,10 +119,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         init_seed: int = 0,
     ) -> None:
         super().__init__()
-        if lora_rank < 1:
-            raise ValueError(f"lora_rank must be >= 1, got {lora_rank}")
-        if lora_target_modules is not None and not lora_target_modules:
-            raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
+        check_lora_args(lora_rank, lora_alpha, lora_target_modules)
         if lora_init not in LORA_INITS:
             raise ValueError(f"lora_init must be one of {sorted(LORA_INITS)}, got {lora_init!r}")
         default_height, default_width, default_frames = self.default_size
@@ -144,7 +132,6 @@ class FlowGenerator(torch.nn.Module, ABC):
         if max_sequence_length is None:
             max_sequence_length = self.default_max_sequence_length
         check_positive(
-            lora_alpha=lora_alpha,
             height=height,
             width=width,
             num_frames=num_frames,
@@ -280,14 +267,9 @@ class FlowGenerator(torch.nn.Module, ABC):
         with seeded_cpu_init(self.init_seed):
             self._load_text(index)
             self.vae = self._load_frozen(self.vae_class, "vae", self.vae_dtype)
-            model = self._load(self.transformer_class, "transformer", self.dtype)
-            model.requires_grad_(False)
-            model.add_adapter(self.lora_config())
-        # Optimizer states and small LoRA updates need float32 even when the base runs in bf16; peft
-        # casts activations to the LoRA weight dtype and the result back.
-        for param in model.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()
+            model = attach_diffusers_lora(
+                self._load(self.transformer_class, "transformer", self.dtype), self.lora_config()
+            )
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         self.model = model
@@ -383,14 +365,7 @@ class FlowGenerator(torch.nn.Module, ABC):
     def adapter_disabled(self) -> Iterator[None]:
         """Context in which ``velocity`` is the frozen reference policy (LoRA bypassed). Every
         parameter's ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
-        model = self._require_built()
-        nested = any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
-        with ExitStack() as stack:
-            if not nested:  # an outer context re-enables on its own exit
-                # Exits run in reverse: re-enable first (peft turns LoRA grads on), then restore the flags.
-                stack.enter_context(preserved_requires_grad(model))
-                model.disable_adapters()
-                stack.callback(model.enable_adapters)
+        with adapter_bypassed(self._require_built()):
             yield
 
     def save_adapter(self, path: str) -> None:
