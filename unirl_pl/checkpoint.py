@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import socket
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +26,26 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 TRIMMED_KEY = "unirl_trimmed_keys"
+IDENTITY_KEY = "unirl_run_identity"
+
+# A temp file older than this is stale whoever wrote it (a live writer keeps touching its file).
+STALE_TMP_AGE_S = 900.0
+_HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+# ``.<target name>.<host>.<pid>.<mkstemp random>.tmp``; older writers used ``.<target name>.<random>.tmp``.
+_TMP_NAME = re.compile(r"^\.(?P<target>.+)\.(?P<host>[A-Za-z0-9-]+)\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` whose writes are atomic on local filesystems (temp file + ``os.replace``).
 
     Remote (fsspec) paths fall back to Lightning's own writer, which has no rename-based atomicity.
+    The first save into a folder removes the temp files that dead writers left there
+    (:func:`remove_stale_tmp`).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._swept: set[Path] = set()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or get_filesystem(path).protocol not in ("file", ("file", "local")):
@@ -37,8 +53,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             return
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        # Same directory as the target so os.replace is a rename within one filesystem.
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        folder = target.parent.resolve()
+        if folder not in self._swept:
+            self._swept.add(folder)
+            remove_stale_tmp(folder)
+        # Same directory as the target so os.replace is a rename within one filesystem; host and pid in
+        # the name let a later run tell a dead writer's leftover from a live writer's file.
+        prefix = f".{target.name}.{_HOST}.{os.getpid()}."
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=target.parent)
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
@@ -49,6 +71,52 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(tmp).unlink(missing_ok=True)
             raise
         _fsync_dir(target.parent)
+
+
+def remove_stale_tmp(dirpath: str | os.PathLike, min_age_s: float = STALE_TMP_AGE_S) -> list[Path]:
+    """Delete the temp files (``.*.tmp``) that interrupted :class:`AtomicCheckpointIO` writes left in ``dirpath``.
+
+    A temp file is stale when its writer is a process of this host that no longer runs, or when it
+    has not been modified for ``min_age_s`` seconds (a writer on another host, or an older name
+    without host and pid). Files of live writers, including this process's, are kept, so two runs
+    sharing a folder do not break each other's writes. Returns the removed paths; a missing folder
+    removes nothing.
+    """
+    folder = Path(dirpath)
+    if not folder.is_dir():
+        return []
+    removed, now = [], time.time()
+    for path in folder.glob(".*.tmp"):
+        try:
+            if not path.is_file() or path.is_symlink():
+                continue
+            age = now - path.stat().st_mtime
+        except OSError:  # removed meanwhile
+            continue
+        match = _TMP_NAME.match(path.name)
+        dead_writer = (
+            match is not None
+            and match["host"] == _HOST
+            and int(match["pid"]) != os.getpid()
+            and not _pid_alive(int(match["pid"]))
+        )
+        if dead_writer or age >= min_age_s:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists but belongs to someone else, or cannot be probed: assume alive
+        return True
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -129,3 +197,56 @@ def refill_trimmed(checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
     if missing:
         raise KeyError(f"checkpoint was trimmed of base weights this model does not have: {missing[:3]}")
     checkpoint["state_dict"] = {**{k: current[k] for k in dropped}, **checkpoint["state_dict"]}
+
+
+def run_identity(module: Any) -> dict[str, Any]:
+    """What a resumed run must share with the run that wrote the checkpoint, as a flat dict of plain values.
+
+    Keys: ``mode``, ``trained`` (the trained experts), ``<expert>.lora_rank`` / ``.lora_alpha`` /
+    ``.lora_targets`` for every expert present (a frozen expert's adapter is in the checkpoint too),
+    ``<expert>.optimizer`` and ``<expert>.lr`` for every trained expert, and ``data.seed`` when a
+    datamodule with a ``seed`` is attached. Optimizers are read by building each expert's optimizer
+    on a dummy parameter, which works before ``configure_optimizers`` has run (as in ``on_load_checkpoint``).
+    """
+    identity: dict[str, Any] = {"mode": module.mode, "trained": list(module.trained)}
+    for name, expert in module.experts().items():
+        for key in ("lora_rank", "lora_alpha"):
+            value = getattr(expert, key, None)
+            if value is not None:
+                identity[f"{name}.{key}"] = float(value) if key == "lora_alpha" else int(value)
+        targets = getattr(expert, "lora_target_modules", None)
+        if targets is not None:
+            identity[f"{name}.lora_targets"] = sorted(str(t) for t in targets)
+    for name in module.trained:
+        factory = module.optimizer_factories.get(name)
+        if factory is None:
+            continue
+        probe = factory([torch.nn.Parameter(torch.zeros(1))])
+        identity[f"{name}.optimizer"] = f"{type(probe).__module__}.{type(probe).__qualname__}"
+        lr = probe.defaults.get("lr")
+        if lr is not None:
+            identity[f"{name}.lr"] = float(lr)
+    trainer = getattr(module, "_trainer", None)
+    seed = getattr(getattr(trainer, "datamodule", None), "seed", None)
+    if isinstance(seed, int):
+        identity["data.seed"] = seed
+    return identity
+
+
+def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Raise ``ValueError`` listing every key whose value differs between ``saved`` and ``current``.
+
+    A key present on one side only counts as changed (``<absent>`` on the other). The message shows
+    ``key: checkpoint=<old> now=<new>`` per line, so a resume with a changed recipe stops before it trains.
+    """
+    missing = "<absent>"
+    changed = [
+        f"  {key}: checkpoint={saved.get(key, missing)!r} now={current.get(key, missing)!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key, missing) != current.get(key, missing)
+    ]
+    if changed:
+        raise ValueError(
+            "the checkpoint was written by a differently configured run; resuming would silently train "
+            "something else. Changed settings:\n" + "\n".join(changed)
+        )

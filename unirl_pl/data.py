@@ -36,36 +36,58 @@ DEFAULT_VAL_PROMPTS = ("a green circle", "two blue triangles", "a red square bel
 def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFAULT_PROMPTS) -> list[str]:
     """Prompts from a list, a ``.txt`` file (one per line) or a ``.jsonl`` file (``{"prompt": ...}`` rows).
 
-    ``None`` gives the embedded default set. Blank lines are skipped; an empty result, a missing
-    file or a JSONL row without ``prompt`` is an error naming the file and line.
+    ``None`` gives the embedded default set. Blank lines are skipped; a JSONL row whose ``prompt`` is
+    missing, not a string or blank is an error naming the file and line, and so is a line that is not
+    UTF-8. A missing file, a file or list without prompts, and a list item that is not a string are errors.
     """
     if source is None:
         return list(default)
-    if isinstance(source, list):
+    if isinstance(source, (list, tuple)):
+        bad = [(i, item) for i, item in enumerate(source) if not isinstance(item, str)]
+        if bad:
+            i, item = bad[0]
+            raise ValueError(f"prompt list item {i} is a {type(item).__name__} ({item!r}), not a string")
         prompts = [p.strip() for p in source if p.strip()]
         if not prompts:
-            raise ValueError("the prompt list is empty")
+            raise ValueError("the prompt list is empty (or holds only blank strings)")
         return prompts
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
     prompts = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        if path.suffix == ".jsonl":
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{path}:{lineno}: each JSONL row needs a string field 'prompt'")
-            prompts.append(row["prompt"].strip())
-        else:
-            prompts.append(line.strip())
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                    "save the prompt file as UTF-8"
+                ) from None
+            if lineno == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark
+            if not line.strip():
+                continue
+            if path.suffix == ".jsonl":
+                prompts.append(_jsonl_prompt(path, lineno, line))
+            else:
+                prompts.append(line.strip())
     if not prompts:
-        raise ValueError(f"prompt file {str(path)!r} holds no prompts")
+        raise ValueError(f"prompt file {str(path)!r} holds no prompts (it is empty or all lines are blank)")
     return prompts
+
+
+def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+        raise ValueError(f"{path}:{lineno}: each JSONL row needs a string field 'prompt'")
+    prompt = row["prompt"].strip()
+    if not prompt:
+        raise ValueError(f"{path}:{lineno}: the 'prompt' field is empty; remove the row or give it a prompt")
+    return prompt
 
 
 @dataclass

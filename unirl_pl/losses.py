@@ -66,7 +66,8 @@ class LossOutput:
     """A loss and its detached statistics (ratio mean, clip fractions, KL) for logging.
 
     ``backpropagated`` marks a loss whose gradients were already accumulated piece by piece (its ``loss``
-    is then detached and only logged).
+    is then detached and only logged). ``logp`` holds the detached recomputed log-probs the loss was built
+    from, in the record's shape, so the C2 gate checks them without a forward of its own.
     """
 
     loss: Tensor
@@ -78,6 +79,7 @@ class LossOutput:
     clip_frac_high: Tensor
     clip_frac_low: Tensor
     backpropagated: bool = False
+    logp: Tensor | None = None
 
     @property
     def clip_frac(self) -> Tensor:

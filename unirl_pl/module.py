@@ -23,7 +23,7 @@ from unirl_pl.card import Card
 from unirl_pl.checkpoint import TRIMMED_KEY, refill_trimmed, rng_states, set_rng_states, trim_frozen
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
-from unirl_pl.distributed import shard_experts, token_loss_weight
+from unirl_pl.distributed import agree_max, shard_experts, token_loss_weight
 from unirl_pl.experts import CausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
@@ -71,6 +71,9 @@ class UniRLModule(pl.LightningModule):
             update stops the run) or ``log`` (staleness is logged).
         reshard_after_forward: FSDP2 only (``ModelParallelStrategy``): free each block's gathered
             weights after its forward (less memory) or keep them until backward (less communication).
+        max_consecutive_skips: A step whose loss or gradient norm is not finite is skipped (weights,
+            optimizer state and versions untouched; ``train/skipped_steps`` counts them); more than this
+            many in a row stop the run with an error.
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class UniRLModule(pl.LightningModule):
         ppo_epochs: int = 1,
         on_stale: Literal["error", "log"] = "error",
         reshard_after_forward: bool = True,
+        max_consecutive_skips: int = 3,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -99,6 +103,8 @@ class UniRLModule(pl.LightningModule):
             raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
         if on_stale not in ("error", "log"):
             raise ValueError(f"on_stale must be 'error' or 'log', got {on_stale!r}")
+        if max_consecutive_skips < 0:
+            raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         if not rewards:
             raise ValueError(
                 "model.rewards is not set: name at least one reward with its weight, e.g. rewards: {brightness: 1.0}. "
@@ -117,6 +123,7 @@ class UniRLModule(pl.LightningModule):
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
         self.ppo_epochs, self.on_stale, self.reshard_after_forward = ppo_epochs, on_stale, reshard_after_forward
+        self.max_consecutive_skips, self.skipped_steps, self.consecutive_skips = max_consecutive_skips, 0, 0
         self.trained = self.card.trained_components(mode)
         self.ledger = VersionLedger(list(self.card.components))
         self.ar_decode: ARDecode | None = None
@@ -243,11 +250,14 @@ class UniRLModule(pl.LightningModule):
                 )
         return staleness
 
-    def _step(self, name: str, opt: Any, counts_as_global_step: bool) -> Tensor:
-        params = [p for p in self.experts()[name].parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else torch.zeros(())
-        if isinstance(grad_norm, DTensor):  # FSDP2: a partial norm; loggers and sync_dist need a plain tensor
-            grad_norm = grad_norm.full_tensor()
+    def _grad_norm(self, name: str) -> Tensor:
+        grads = [p.grad for p in self.experts()[name].parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if isinstance(norm, DTensor):  # FSDP2: a partial norm; loggers and sync_dist need a plain tensor
+            norm = norm.full_tensor()
+        return norm.detach()
+
+    def _step(self, name: str, opt: Any, counts_as_global_step: bool) -> None:
         clip = self.losses[name].grad_clip
         if clip is not None:
             self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
@@ -258,7 +268,29 @@ class UniRLModule(pl.LightningModule):
             # every PPO epoch) must count once, so the others step through the strategy directly.
             self.trainer.strategy.optimizer_step(opt.optimizer, closure=lambda: None, model=self)
         self.ledger.bump(name)
-        return grad_norm.detach()
+
+    def _all_finite(self, outputs: dict[str, LossOutput], norms: dict[str, Tensor]) -> bool:
+        """Whether every loss and gradient norm is finite on every rank (all ranks must agree to skip)."""
+        values = [o.loss.detach() for o in outputs.values()] + list(norms.values())
+        local_bad = not all(bool(torch.isfinite(v).all()) for v in values)
+        return not agree_max(int(local_bad), self.device)
+
+    def _skip(self, opts: dict[str, Any], outputs: dict[str, LossOutput]) -> None:
+        """Leave weights, optimizer state and versions untouched, but still count one global step."""
+        self.skipped_steps += 1
+        self.consecutive_skips += 1
+        bad = ", ".join(f"{n}/loss={float(o.loss):.3g}" for n, o in outputs.items())
+        if self.consecutive_skips > self.max_consecutive_skips:
+            raise RuntimeError(
+                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm ({bad}); "
+                "stopping. Check the rewards (model.nonfinite_rewards=drop drops bad samples), the learning rates "
+                "and the data; raise model.max_consecutive_skips to tolerate more."
+            )
+        for opt in opts.values():
+            opt.zero_grad(set_to_none=True)
+        # With no gradients the optimizer leaves every parameter and its state alone; the step through
+        # Lightning's wrapper keeps max_steps, the prompt stream and the gates counting RL steps.
+        next(iter(opts.values())).step()
 
     def training_step(self, exp: Experience, batch_idx: int) -> None:
         staleness = self._check_staleness(exp)
@@ -271,20 +303,51 @@ class UniRLModule(pl.LightningModule):
             outputs = {name: out for name in opts if (out := self._loss(name, exp)) is not None}
             if not outputs:
                 continue
+            if epoch == 0:
+                self._report_policy_logprobs(exp, outputs)
             # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
             pending = [self._token_weight(n, exp) * o.loss for n, o in outputs.items() if not o.backpropagated]
             if pending:
                 self.manual_backward(sum(pending))
-            for i, name in enumerate(outputs):
-                grad_norm = self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)
+            norms = {name: self._grad_norm(name) for name in outputs}
+            if not self._all_finite(outputs, norms):
                 if epoch == 0:
-                    metrics.update(loss_metrics(name, outputs[name], grad_norm))
+                    self._skip(opts, outputs)
+                break
+            for i, name in enumerate(outputs):
+                self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)
+                if epoch == 0:
+                    metrics.update(loss_metrics(name, outputs[name], norms[name]))
+            if epoch == 0:
+                self.consecutive_skips = 0
         versions = self.ledger.as_dict()
         metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate()))
+        metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(exp.prompts), sync_dist=True)
         self.log(
             "reward/mean", exp.rewards.mean(), prog_bar=True, on_step=True, batch_size=len(exp.prompts), sync_dist=True
         )
+
+    def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
+        """Hand the first training forward's log-probs (weights not yet stepped) to callbacks that check them.
+
+        This is the C2 identity's input: the recompute the loss already paid for, not a forward of its own.
+        """
+        if self._trainer is None:
+            return
+        logprobs = {}
+        for name, out in outputs.items():
+            (loop,) = self._loops_with_records(name, exp)[:1] or [None]
+            if out.logp is None or loop is None:
+                continue
+            record = exp.records[loop]
+            mask = getattr(record, "gen_mask", None)
+            mask = torch.ones_like(record.old_logp, dtype=torch.bool) if mask is None else mask
+            logprobs[name] = (out.logp, record.old_logp, mask)
+        for callback in self.trainer.callbacks:
+            hook = getattr(callback, "on_policy_logprobs", None)
+            if hook is not None:
+                hook(self.trainer, self, exp, logprobs)
 
     def _token_weight(self, name: str, exp: Experience) -> float:
         if "ar_decode" not in self._loops_with_records(name, exp):
@@ -339,7 +402,10 @@ class UniRLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if not all(bool(torch.isfinite(p).all()) for p in self.parameters() if p.requires_grad):
+            raise RuntimeError("refusing to write a checkpoint: a trainable weight is not finite")
         checkpoint["unirl_versions"] = self.ledger.as_dict()
+        checkpoint["unirl_skipped_steps"] = self.skipped_steps
         checkpoint["unirl_rng"] = rng_states()
         # Frozen base weights are rebuilt by configure_model; keeping them would bloat every checkpoint.
         checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], self)
@@ -347,6 +413,7 @@ class UniRLModule(pl.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "unirl_versions" in checkpoint:
             self.ledger.load(checkpoint["unirl_versions"])
+        self.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))
         if "unirl_rng" in checkpoint:
             set_rng_states(checkpoint["unirl_rng"])
         refill_trimmed(checkpoint, self)

@@ -1,7 +1,8 @@
 """C2 log-prob identity: the probability in the PPO ratio must be the one each sample was drawn from.
 
-Before any optimizer step on an experience, the gate re-scores every captured LM token and every
-captured SDE step under the unchanged weights and compares with the behavior log-probs. A padding
+Before any optimizer step on an experience, the gate compares the log-probs the first training forward
+computed for every captured LM token and SDE step (under the unchanged weights; the module hands them
+over, so the check costs no forward of its own) with the behavior log-probs. A padding
 mask that differs between decode and recompute, a temperature or top-k the recompute ignores, a
 sigma off by one step, or weights that changed between rollout and training all show up here.
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import lightning.pytorch as pl
 import torch
@@ -110,12 +111,17 @@ class LogProbIdentityCheck(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require(self, pl_module, RecomputingModule)
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    def on_policy_logprobs(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Experience,
+        logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> None:
-        if not isinstance(batch, Experience) or trainer.global_step % self.every_n_steps:
+        """Called by the module with its first training forward's log-probs, before any optimizer step."""
+        if trainer.global_step % self.every_n_steps:
             return
-        measured = self.measure(pl_module, batch)
+        measured = self.measure(pl_module, batch, logprobs)
         metrics = {f"c2/{name}_{k}": v for name, (stats, _) in measured.items() for k, v in stats.items()}
         # Straight to the loggers: within an epoch Lightning re-emits a self.log step metric on every later
         # step, which with every_n_steps > 1 would show checks that never ran.
@@ -130,11 +136,16 @@ class LogProbIdentityCheck(pl.Callback):
         return self.last
 
     def measure(
-        self, pl_module: pl.LightningModule, batch: Experience
+        self,
+        pl_module: pl.LightningModule,
+        batch: Experience,
+        logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> dict[str, tuple[dict[str, float], tuple[int, int]]]:
-        """Recompute every captured log-prob under the current weights: stats and worst (row, position) by expert."""
+        """Stats and worst (row, position) by expert of ``(recomputed, behavior, mask)`` log-probs; without
+        ``logprobs`` the module recomputes every captured log-prob under its current weights."""
         measured = {}
-        for name, (new, old, mask) in pl_module.recompute_logprobs(batch).items():
+        logprobs = pl_module.recompute_logprobs(batch) if logprobs is None else logprobs
+        for name, (new, old, mask) in logprobs.items():
             clip_eps = pl_module.loss_settings(name).clip_eps
             measured[name] = _compare(new, old, mask, clip_eps)
         self.last = {name: stats for name, (stats, _) in measured.items()}

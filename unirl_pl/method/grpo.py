@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -57,7 +57,7 @@ def lm_loss(
     if settings.beta > 0:
         with torch.no_grad(), reference():
             ref = loop.score(record)
-    return grpo_token_loss(
+    out = grpo_token_loss(
         logp,
         record.old_logp,
         advantages,
@@ -66,6 +66,7 @@ def lm_loss(
         clip_eps=settings.clip_eps,
         beta=settings.beta,
     )
+    return replace(out, logp=logp.detach())
 
 
 def dit_loss(
@@ -85,8 +86,10 @@ def dit_loss(
     """
     total = record.old_logp.numel()
     parts: list[tuple[float, LossOutput]] = []
+    recomputed = torch.empty_like(record.old_logp)
     for step, (a, b) in record.steps():
         logp, mean, std = loop.step_logprob(record, step, (a, b))
+        recomputed[a:b, step] = logp.detach()
         kl = None
         if settings.beta > 0:
             with torch.no_grad(), reference():
@@ -99,7 +102,7 @@ def dit_loss(
         if backward is not None:
             backward(weight * out.loss)
         parts.append((weight, out))
-    return weighted_loss(parts, backpropagated=backward is not None)
+    return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)
 
 
 def weighted_loss(parts: list[tuple[float, LossOutput]], backpropagated: bool = False) -> LossOutput:

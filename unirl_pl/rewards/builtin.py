@@ -7,7 +7,7 @@ import inspect
 import io
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -174,19 +174,37 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
 class WeightedSum:
     """The scalar reward: ``sum_i w_i * reward_i``, keeping each term's values for logging.
 
+    Every term's values are checked: a value that is not a real number (a string, None, a bool) is an
+    error naming the reward and the value's type; a NaN or infinite value is an error naming the reward
+    and the sample's prompt, or with ``nonfinite="drop"`` makes that sample's total NaN (the caller drops
+    it) and is counted in :attr:`dropped`.
+
     Args:
         weights: Reward name (registry key or dotted path) -> weight.
         reward_args: Reward name -> constructor keyword arguments, for rewards that take some.
+        nonfinite: ``error`` (stop at a NaN/inf reward) or ``drop`` (the sample's total is NaN).
     """
 
-    def __init__(self, weights: dict[str, float], reward_args: dict[str, dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        weights: dict[str, float],
+        reward_args: dict[str, dict[str, Any]] | None = None,
+        nonfinite: Literal["error", "drop"] = "error",
+    ) -> None:
         if not weights:
             raise ValueError("at least one reward is needed")
+        if nonfinite not in ("error", "drop"):
+            raise ValueError(f"nonfinite must be 'error' or 'drop', got {nonfinite!r}")
         reward_args = reward_args or {}
         stray = set(reward_args) - set(weights)
         if stray:
             raise ValueError(f"reward_args given for rewards not in the weights: {sorted(stray)}")
+        bad_weights = {n: w for n, w in weights.items() if not _is_real(w) or not math.isfinite(w)}
+        if bad_weights:
+            raise ValueError(f"reward weights must be finite numbers, got {bad_weights}")
         self.weights = dict(weights)
+        self.nonfinite = nonfinite
+        self.dropped = 0  # samples whose total was set to NaN (nonfinite="drop"), over this object's life
         self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
 
     def __call__(
@@ -195,18 +213,68 @@ class WeightedSum:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
         For videos (N, F, 3, H, W) an image reward scores every frame and the video gets the frames' mean.
+        With ``nonfinite="drop"`` a sample with a NaN/inf term has total NaN (its raw terms are kept).
         """
         parts: dict[str, Tensor] = {}
         for name, fn in self.terms.items():
             if images.ndim == 5 and not getattr(fn, "accepts_video", False):
                 parts[name] = _frame_mean(name, fn, prompts, refined_prompts, images)
-                continue
-            values = fn(prompts, refined_prompts, images)
-            if len(values) != len(prompts):
-                raise ValueError(f"reward {name!r} returned {len(values)} values for {len(prompts)} samples")
-            parts[name] = torch.as_tensor(values, dtype=torch.float32)
-        total = sum(self.weights[n] * v for n, v in parts.items())
+            else:
+                values = fn(prompts, refined_prompts, images)
+                parts[name] = _as_values(name, values, len(prompts), "samples")
+        bad = torch.zeros(len(prompts), dtype=torch.bool)
+        for name, values in parts.items():
+            nonfinite = ~torch.isfinite(values)
+            if nonfinite.any() and self.nonfinite == "error":
+                i = int(nonfinite.nonzero()[0])
+                raise ValueError(
+                    f"reward {name!r} returned {values[i].item()} for sample {i} (prompt {prompts[i]!r}, "
+                    f"refined {refined_prompts[i]!r}); {int(nonfinite.sum())} of {len(values)} values are not "
+                    "finite. Fix the reward, or set nonfinite='drop' to leave such samples out"
+                )
+            bad |= nonfinite
+        total = sum(self.weights[n] * torch.where(bad, 0.0, v) for n, v in parts.items())
+        if bad.any():
+            total = torch.where(bad, torch.nan, total)
+            self.dropped += int(bad.sum())
         return total, parts
+
+
+def _is_real(value: Any) -> bool:
+    """A real number: Python/numpy ints, floats and bools, or a one-element real tensor."""
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.dtype.is_complex
+    return isinstance(value, int | float | np.integer | np.floating | np.bool_)
+
+
+def _as_values(name: str, values: Any, expected: int, what: str) -> Tensor:
+    """A reward's output as a float32 (N,) CPU tensor; wrong counts and non-numbers are errors naming the reward."""
+    if isinstance(values, Tensor | np.ndarray):
+        if values.ndim != 1:
+            raise ValueError(f"reward {name!r} returned an array of shape {tuple(values.shape)}; it must be 1-D")
+        if isinstance(values, Tensor):
+            real = not values.dtype.is_complex
+        else:
+            real = values.dtype == np.bool_ or (
+                np.issubdtype(values.dtype, np.number) and not np.issubdtype(values.dtype, np.complexfloating)
+            )
+        if not real:
+            raise TypeError(f"reward {name!r} returned an array of {values.dtype}, not real numbers")
+        if len(values) != expected:
+            raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} {what}")
+        tensor = values.detach() if isinstance(values, Tensor) else torch.from_numpy(np.asarray(values))
+        return tensor.to(device="cpu", dtype=torch.float32)
+    if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
+        raise TypeError(f"reward {name!r} returned a {type(values).__name__}, not a list of numbers")
+    if len(values) != expected:
+        raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} {what}")
+    for i, value in enumerate(values):
+        if not _is_real(value):
+            raise TypeError(
+                f"reward {name!r} returned a {type(value).__name__} ({value!r}) for sample {i}; "
+                "rewards must return real numbers"
+            )
+    return torch.tensor([float(v) for v in values], dtype=torch.float32)
 
 
 def _frame_mean(name: str, fn: RewardFn, prompts: list[str], refined: list[str], videos: Tensor) -> Tensor:
@@ -216,6 +284,4 @@ def _frame_mean(name: str, fn: RewardFn, prompts: list[str], refined: list[str],
     """
     n, f = videos.shape[:2]
     values = fn([p for p in prompts for _ in range(f)], [r for r in refined for _ in range(f)], videos.flatten(0, 1))
-    if len(values) != n * f:
-        raise ValueError(f"reward {name!r} returned {len(values)} values for {n * f} frames")
-    return torch.as_tensor(values, dtype=torch.float32).view(n, f).mean(1)
+    return _as_values(name, values, n * f, "frames").view(n, f).mean(1)
