@@ -8,6 +8,7 @@ import torch
 from tests.helpers import read_metrics, run_cli
 from unirl_pl.card import Card, CardError
 from unirl_pl.data import PromptDataModule, _PromptStream, load_prompts
+from unirl_pl.experts import TextEncoderExpert
 from unirl_pl.method import AdvantageConfig, GroupLayout, check_scheme
 from unirl_pl.rewards import ContainsWord, RefinerFormat, WeightedSum, jpeg_compressibility, resolve_reward
 from unirl_pl.versioning import FeatureCache, VersionLedger
@@ -54,15 +55,33 @@ def test_a_group_encodes_its_prompt_once_and_llm_updates_keep_the_cache_warm():
     cache = FeatureCache(ledger)
     calls: list[list[str]] = []
     feats = cache.get_or_compute("text_encoder", ["a", "a", "a", "bb"], _encoder(calls))["f"]
-    assert calls == [["a"], ["bb"]] and feats.shape == (4, 2)
+    # Both misses in one call of the fixed encode shape (8 rows, padded by repeating the last miss).
+    assert calls == [["a", "bb"] + ["bb"] * 6] and feats.shape == (4, 2)
+    assert feats[:, 0].tolist() == [1.0, 1.0, 1.0, 2.0]
     ledger.bump("llm")
     ledger.bump("transformer")
     cache.get_or_compute("text_encoder", ["a", "bb"], _encoder(calls))
-    assert len(calls) == 2, "an llm/transformer update must not invalidate the text encoder's features"
+    assert len(calls) == 1, "an llm/transformer update must not invalidate the text encoder's features"
     assert cache.hit_rate() == pytest.approx(4 / 6)
     ledger.bump("text_encoder")
     cache.get_or_compute("text_encoder", ["a"], _encoder(calls))
-    assert calls[-1] == ["a"], "a text_encoder version change invalidates its features"
+    assert calls[-1] == ["a"] * 8, "a text_encoder version change invalidates its features"
+
+
+def test_cached_features_do_not_depend_on_what_missed_with_them():
+    """A cold cache (after a resume) must condition the generator exactly as the warm one did."""
+    encoder = TextEncoderExpert()
+    encoder.build()
+
+    def compute(texts):
+        hidden, pooled = encoder.encode(texts)
+        return {"hidden": hidden, "pooled": pooled}
+
+    alone = FeatureCache(VersionLedger(["text_encoder"])).get_or_compute("text_encoder", ["a red circle"], compute)
+    crowd = ["two blue squares", "a red circle", "a green triangle left of a circle"]
+    mixed = FeatureCache(VersionLedger(["text_encoder"])).get_or_compute("text_encoder", crowd, compute)
+    for name in ("hidden", "pooled"):
+        assert torch.equal(alone[name][0], mixed[name][1]), name
 
 
 def test_ledger_round_trips_and_refuses_unknown_components():

@@ -122,25 +122,34 @@ def perturb_lora(model: pl.LightningModule, expert: str, amount: float = 1e-2) -
         param.add_(amount)
 
 
-def patch_sample_generators(monkeypatch, fake) -> None:
-    """Replace the per-sample generators of both loops (each imports ``sample_generators`` by name)."""
-    for loop_module in (ar_decode_module, diffusion_denoise_module):
-        monkeypatch.setattr(loop_module, "sample_generators", fake)
-
-
 def shared_rng_generators(monkeypatch) -> None:
-    """Fault: every request draws from one module-global generator instead of its own."""
+    """Fault: every request draws from one module-global stream instead of its own.
+
+    The DiT's noise comes from one shared generator; the LM's counter-based keys come from a global
+    counter that advances with every draw, so a request's tokens depend on what ran before it.
+    """
     shared = torch.Generator().manual_seed(1234)
-    patch_sample_generators(monkeypatch, lambda seed, request_ids, sample_indices, stream: [shared] * len(request_ids))
+    monkeypatch.setattr(
+        diffusion_denoise_module, "sample_generators", lambda seed, ids, idx, stream: [shared] * len(ids)
+    )
+    counter = iter(range(1 << 30))
+    monkeypatch.setattr(
+        ar_decode_module,
+        "sample_keys",
+        lambda seed, ids, idx, stream, device="cpu": torch.tensor([next(counter) for _ in ids], device=device),
+    )
 
 
 def position_seeded_generators(monkeypatch) -> None:
-    """Fault: a sample's generator is seeded by its position in the batch, not by its request."""
+    """Fault: a sample's randomness is keyed by its position in the batch, not by its request."""
 
     def by_position(seed, request_ids, sample_indices, stream):
         return [torch.Generator().manual_seed(i) for i in range(len(request_ids))]
 
-    patch_sample_generators(monkeypatch, by_position)
+    monkeypatch.setattr(diffusion_denoise_module, "sample_generators", by_position)
+    monkeypatch.setattr(
+        ar_decode_module, "sample_keys", lambda seed, ids, idx, stream, device="cpu": torch.arange(len(ids))
+    )
 
 
 def with_config(loop, **changes):

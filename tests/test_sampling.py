@@ -117,3 +117,30 @@ def test_schedule_and_bad_inputs():
         flow_sigmas(0)
     with pytest.raises(ValueError, match="sigma must be"):
         flow_sde_step_with_logprob(torch.zeros(2, 1), torch.zeros(2, 1), torch.ones(3), 0.5, sigma_max=0.9)
+
+
+# ------------------------------------------------------------------ counter-based token draws
+def test_gumbel_draws_follow_the_softmax():
+    from unirl_pl.seeding import gumbel_argmax, sample_keys
+
+    n = 20_000
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0, 1.0, -3.0, 0.2, 0.7]])
+    tokens = gumbel_argmax(logits.expand(n, -1), sample_keys(0, list(range(n)), [0] * n, 0), position=3)
+    freq = torch.bincount(tokens, minlength=8).double() / n
+    # 4.5 standard errors of the largest probability's frequency (p~0.4): a wrong sampler is off by far more.
+    assert (freq - logits.softmax(-1)[0].double()).abs().max() < 0.016
+
+
+def test_gumbel_draws_do_not_depend_on_the_batch_and_respect_top_k():
+    from unirl_pl.seeding import gumbel_argmax, sample_keys
+
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    logits[:, 10:] = float("-inf")  # what top-k leaves
+    keys = sample_keys(7, [3, 3, 4, 5, 6, 7], [0, 1, 0, 0, 0, 0], 0)
+    batched = gumbel_argmax(logits, keys, position=5)
+    alone = torch.cat([gumbel_argmax(logits[i : i + 1], keys[i : i + 1], position=5) for i in range(6)])
+    assert torch.equal(batched, alone) and bool((batched < 10).all())
+    shuffled = torch.tensor([5, 0, 3, 1, 4, 2])
+    assert torch.equal(gumbel_argmax(logits[shuffled], keys[shuffled], 5), batched[shuffled])
+    later = torch.stack([gumbel_argmax(logits, keys, p) for p in range(20)])
+    assert len({tuple(row.tolist()) for row in later}) > 1, "each position draws new noise"

@@ -28,3 +28,57 @@ def sample_generators(
     """One CPU generator per sample, seeded by :func:`sample_seed`."""
     pairs = zip(request_ids, sample_indices, strict=True)
     return [torch.Generator().manual_seed(sample_seed(seed, r, k, stream)) for r, k in pairs]
+
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B9
+
+
+def sample_keys(
+    seed: int,
+    request_ids: Sequence[int],
+    sample_indices: Sequence[int],
+    stream: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """(N,) int64: each sample's 63-bit key, :func:`sample_seed` of what identifies it."""
+    pairs = zip(request_ids, sample_indices, strict=True)
+    return torch.tensor([sample_seed(seed, r, k, stream) for r, k in pairs], dtype=torch.int64, device=device)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finalizer (xor-shift-multiply), in place on int64 tensors holding values below 2**32.
+
+    The multipliers are below 2**31, so every product stays below 2**63: no int64 overflow on any device.
+    """
+    x ^= x >> 16
+    x *= 0x21F0AAAD
+    x &= _MASK32
+    x ^= x >> 15
+    x *= 0x735A2D97
+    x &= _MASK32
+    x ^= x >> 15
+    return x
+
+
+def counter_uniform(keys: torch.Tensor, position: int, size: int) -> torch.Tensor:
+    """(N, size) float32 uniforms in (0, 1) with 24 random bits, a pure function of (key, position, column).
+
+    Counter-based: row i's numbers depend on nothing but its key and the counters, so one batched call
+    draws exactly what N separate calls would, in any batch composition, order or rank.
+    """
+    lo, hi = keys & _MASK32, (keys >> 32) & _MASK32
+    row = _mix32(lo ^ _mix32(hi ^ _mix32(torch.full_like(lo, position & _MASK32))))
+    column = torch.arange(size, device=keys.device, dtype=torch.int64) * _GOLDEN32
+    x = _mix32((row[:, None] + column[None, :]) & _MASK32)
+    return (x >> 8).float().add_(0.5).mul_(2.0**-24)
+
+
+def gumbel_argmax(logits: torch.Tensor, keys: torch.Tensor, position: int) -> torch.Tensor:
+    """(N,) a draw from ``softmax(logits)`` per row by the Gumbel-max trick on counter-based noise.
+
+    Entries with ``-inf`` logits (top-k) are never drawn. Batch-invariant by construction (see
+    :func:`counter_uniform`) at the cost of one batched call.
+    """
+    gumbel = counter_uniform(keys, position, logits.shape[-1]).log_().neg_().log_().neg_()
+    return (logits.float() + gumbel).argmax(-1)

@@ -45,15 +45,17 @@ class FeatureCache:
     """An LRU cache of per-text features keyed by (component, version, text), with hit statistics.
 
     ``get_or_compute`` looks every text up, computes each distinct miss once and returns the features
-    stacked in input order, so a group of K samples sharing a prompt encodes it once. Misses are
-    encoded one text per call: batch-variant kernels would otherwise make a text's cached features
-    depend on which other texts happened to miss with it, and a resumed run (cold cache) would
-    condition the generator on slightly different features than the uninterrupted one.
+    stacked in input order, so a group of K samples sharing a prompt encodes it once. Misses are encoded
+    in calls of exactly ``encode_batch`` texts (the last call padded by repeating a miss): batch-variant
+    kernels give a row the same result at the same shape whatever the other rows hold, so a text's
+    features do not depend on which texts missed with it, and a resumed run (cold cache) conditions the
+    generator exactly as the uninterrupted one did.
     """
 
-    def __init__(self, ledger: VersionLedger, max_entries: int = 4096) -> None:
+    def __init__(self, ledger: VersionLedger, max_entries: int = 4096, encode_batch: int = 8) -> None:
         self.ledger = ledger
         self.max_entries = max_entries
+        self.encode_batch = encode_batch
         self._store: OrderedDict[tuple[str, int, str], dict[str, Tensor]] = OrderedDict()
         self.hits = 0
         self.lookups = 0
@@ -70,9 +72,12 @@ class FeatureCache:
         missing = list(dict.fromkeys(t for k, t in zip(keys, texts, strict=True) if k not in self._store))
         self.lookups += len(texts)
         self.hits += len(texts) - len(missing)
-        for text in missing:
-            feats = compute([text])
-            self._store[(component, version, text)] = {name: f[0].detach() for name, f in feats.items()}
+        size = self.encode_batch
+        for start in range(0, len(missing), size):
+            chunk = missing[start : start + size]
+            feats = compute(chunk + [chunk[-1]] * (size - len(chunk)))
+            for i, text in enumerate(chunk):
+                self._store[(component, version, text)] = {name: f[i].detach() for name, f in feats.items()}
         for k in keys:
             self._store.move_to_end(k)
         out = [self._store[k] for k in keys]

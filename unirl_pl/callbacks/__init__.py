@@ -4,6 +4,19 @@ from unirl_pl.callbacks.c2 import LogProbIdentityCheck
 from unirl_pl.callbacks.export import AdapterExport
 from unirl_pl.callbacks.ledger import WeightVersionLedger
 from unirl_pl.callbacks.parity import InterleaveParityCheck
-from unirl_pl.callbacks.writer import ImageWriter
+from unirl_pl.callbacks.preemption import PreemptionCheckpoint
+from unirl_pl.callbacks.progress import RLProgressBar
+from unirl_pl.callbacks.summary import RunSummary
+from unirl_pl.callbacks.writer import ImageWriter, ValidationImages
 
-__all__ = ["AdapterExport", "ImageWriter", "InterleaveParityCheck", "LogProbIdentityCheck", "WeightVersionLedger"]
+__all__ = [
+    "AdapterExport",
+    "ImageWriter",
+    "InterleaveParityCheck",
+    "LogProbIdentityCheck",
+    "PreemptionCheckpoint",
+    "RLProgressBar",
+    "RunSummary",
+    "ValidationImages",
+    "WeightVersionLedger",
+]

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 from unirl_pl.distributed import agree_max
 from unirl_pl.loops.config import Profile, RolloutConfig
 from unirl_pl.records import LMRecord
-from unirl_pl.seeding import STREAM_LM, sample_generators
+from unirl_pl.seeding import STREAM_LM, gumbel_argmax, sample_keys
 
 
 def process_logits(logits: Tensor, temperature: float, top_k: int | None) -> Tensor:
@@ -62,8 +62,9 @@ class ARDecode:
     ) -> tuple[list[str], LMRecord]:
         """Refine each prompt: ``serve`` decodes greedily, ``rollout`` samples; both return the record.
 
-        Each sample's tokens come from its own generator (:mod:`unirl_pl.seeding`), so they do not
-        depend on the batch. The loop stops when every sequence on every rank has ended.
+        Each sample's tokens come from counter-based noise keyed by (seed, request, sample, position)
+        (:mod:`unirl_pl.seeding`), drawn for the whole batch in one call, so they do not depend on the
+        batch. The loop stops when every sequence on every rank has ended.
         """
         cfg, llm = self.config, self.llm
         device = next(llm.parameters()).device
@@ -73,7 +74,7 @@ class ARDecode:
         greedy = profile == "serve"
         temperature = 1.0 if greedy else cfg.temperature
         top_k = None if greedy else cfg.top_k
-        gens = sample_generators(seed, request_ids, sample_indices, STREAM_LM)
+        keys = sample_keys(seed, request_ids, sample_indices, STREAM_LM, device)
         eos, pad = llm.eos_token_id, llm.pad_token_id
 
         cache = DynamicCache()
@@ -86,12 +87,8 @@ class ARDecode:
         for step in range(cfg.max_new_tokens):
             logits = process_logits(out.logits[:, -1], temperature, top_k)
             logp_all = torch.log_softmax(logits, dim=-1)
-            if greedy:
-                tok_t = logits.argmax(-1)
-            else:
-                probs = logp_all.exp()
-                draws = [torch.multinomial(probs[i].cpu(), 1, generator=gens[i]) for i in range(n)]
-                tok_t = torch.cat(draws).to(device)
+            # One batched draw whose per-row result does not depend on the batch (keyed by sample and position).
+            tok_t = logits.argmax(-1) if greedy else gumbel_argmax(logits, keys, step)
             tok_t = torch.where(finished, torch.full_like(tok_t, pad), tok_t)
             live.append(~finished)
             logps.append(logp_all.gather(-1, tok_t[:, None])[:, 0])

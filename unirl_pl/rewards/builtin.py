@@ -155,9 +155,17 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
     elif "." in name:
         module_name, _, attr = name.rpartition(".")
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ValueError(f"reward {name!r}: cannot import it ({err})") from None
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            raise ValueError(
+                f"reward {name!r}: cannot import module {module_name!r} ({err}); is it installed or on PYTHONPATH?"
+            ) from None
+        try:
+            factory = getattr(module, attr)
+        except AttributeError:
+            raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}") from None
+        if not callable(factory):
+            raise ValueError(f"reward {name!r} is a {type(factory).__name__}, not a function or class")
         if not inspect.isclass(factory):
             if kwargs:
                 raise ValueError(f"reward {name!r} is a function; it takes no reward_args")
@@ -166,9 +174,15 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
         known = ", ".join(sorted(REGISTRY))
         raise ValueError(f"unknown reward {name!r}; built-in rewards are {known}, or give a dotted path")
     try:
-        return factory(**kwargs)
+        reward = factory(**kwargs)
     except TypeError as err:
         raise ValueError(f"reward {name!r}: bad reward_args {kwargs}: {err}") from None
+    if not callable(reward):
+        raise ValueError(
+            f"reward {name!r}: a {type(reward).__name__} is not callable; a reward class needs "
+            "__call__(prompts, refined_prompts, images) returning one number per sample"
+        )
+    return reward
 
 
 class WeightedSum:

@@ -1,0 +1,206 @@
+"""What a run did, at its end: a table of rewards, gate worsts, speed and output paths, and a reward curve."""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger
+from PIL import Image, ImageDraw, ImageFont
+
+from unirl_pl.callbacks.writer import LINE_H, ValidationImages, add_image_to_tensorboard
+
+TRAIN_KEY, VAL_KEY = "reward/mean", "val/reward_mean"
+GATE_PREFIXES = ("c2/", "parity/")
+Series = dict[str, list[tuple[int, float]]]
+
+
+def metrics_csv(trainer: pl.Trainer) -> Path | None:
+    """The ``metrics.csv`` of the trainer's ``CSVLogger`` (None without one)."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            return Path(logger.log_dir) / "metrics.csv"
+    return None
+
+
+def read_series(path: Path) -> Series:
+    """Every metric of a Lightning ``metrics.csv`` as ``key -> [(step, value), ...]`` (empty cells skipped)."""
+    series: Series = {}
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value not in ("", None):
+                    series.setdefault(key, []).append((step, float(value)))
+    return series
+
+
+def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], size=(640, 400)) -> Image.Image:
+    """A line chart of the training reward (blue) and the validation reward (orange dots) against the step."""
+    width, height = size
+    left, right, top, bottom = 56, 16, 28, 40
+    img = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    points = train + val
+    if not points:
+        draw.text((left, height // 2), "no reward logged", fill="black", font=font)
+        return img
+    x0, x1 = min(s for s, _ in points), max(s for s, _ in points)
+    y0, y1 = min(v for _, v in points), max(v for _, v in points)
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+    pad = (y1 - y0) * 0.08 or 0.05
+    y0, y1 = y0 - pad, y1 + pad
+
+    def xy(step: float, value: float) -> tuple[float, float]:
+        x = left + (step - x0) / (x1 - x0) * (width - left - right)
+        y = top + (y1 - value) / (y1 - y0) * (height - top - bottom)
+        return x, y
+
+    # Axes, grid and tick labels (5 ticks each way).
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    for i in range(5):
+        value = y0 + (y1 - y0) * i / 4
+        _, y = xy(x0, value)
+        draw.line([left, y, width - right, y], fill=(225, 225, 225))
+        draw.text((4, y - LINE_H // 2), f"{value:.3f}", fill="black", font=font)
+        step = x0 + (x1 - x0) * i / 4
+        x, _ = xy(step, y0)
+        draw.text((x - 8, height - bottom + 4), f"{step:.0f}", fill="black", font=font)
+    draw.text(((width - right + left) // 2 - 12, height - LINE_H - 4), "step", fill="black", font=font)
+
+    blue, orange = (31, 119, 180), (255, 127, 14)
+    if len(train) > 1:
+        draw.line([xy(s, v) for s, v in train], fill=blue, width=2)
+    for s, v in train if len(train) == 1 else []:
+        x, y = xy(s, v)
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=blue)
+    if len(val) > 1:
+        draw.line([xy(s, v) for s, v in val], fill=orange, width=2)
+    for s, v in val:
+        x, y = xy(s, v)
+        draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=orange)
+    # Legend.
+    draw.line([left + 8, 12, left + 28, 12], fill=blue, width=2)
+    draw.text((left + 32, 6), f"train {TRAIN_KEY}", fill="black", font=font)
+    draw.ellipse([left + 180, 8, left + 188, 16], fill=orange)
+    draw.text((left + 194, 6), f"validation {VAL_KEY}", fill="black", font=font)
+    return img
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+class RunSummary(pl.Callback):
+    """At the end of ``fit`` (rank 0): print a table of what the run did and write ``reward_curve.png``.
+
+    The table: steps and time per step; ``reward/mean`` over the first and last ``window`` steps; the
+    validation reward (first and last); the worst (largest) ``c2/*_max_abs_diff`` and
+    ``parity/*_max_abs_diff`` the gates logged; the paths of ``metrics.csv``, the checkpoints, the
+    validation image grids and the reward curve. Metrics are read from the ``CSVLogger``'s
+    ``metrics.csv`` (the gates log there directly); without one, only the rewards the module logged
+    are shown. ``reward_curve.png`` (training and validation reward against the step) goes into the
+    logger's version folder, and to TensorBoard when a ``TensorBoardLogger`` is attached.
+
+    Args:
+        window: Steps averaged at the start and at the end of the run.
+        curve: Write ``reward_curve.png``.
+    """
+
+    def __init__(self, window: int = 10, curve: bool = True) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window, self.curve = window, curve
+        self.table: Any = None
+        self.curve_path: Path | None = None
+        self._seen: Series = {}
+        self._start: tuple[float, int] | None = None
+        self._end: tuple[float, int] | None = None
+
+    # ------------------------------------------------------------------ collecting
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start, self._seen = (time.perf_counter(), trainer.global_step), {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end = (time.perf_counter(), trainer.global_step)
+
+    def _remember(self, trainer: pl.Trainer, key: str) -> None:
+        value = trainer.callback_metrics.get(key)
+        if value is not None:
+            self._seen.setdefault(key, []).append((trainer.global_step, float(value)))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._remember(trainer, TRAIN_KEY)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.state.fn == "fit":
+            self._remember(trainer, VAL_KEY)
+
+    # ------------------------------------------------------------------ reporting
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        for logger in trainer.loggers:
+            logger.save()  # the CSV logger buffers rows; the gates' rows must be in the file
+        path = metrics_csv(trainer)
+        series = read_series(path) if path is not None and path.is_file() else dict(self._seen)
+        train, val = series.get(TRAIN_KEY, []), series.get(VAL_KEY, [])
+        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        if self.curve and (train or val):
+            image = reward_curve(train, val)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.curve_path = log_dir / "reward_curve.png"
+            image.save(self.curve_path)
+            add_image_to_tensorboard(trainer, "reward_curve", image, trainer.global_step)
+        self.table = self._table(trainer, series, path)
+        from rich import get_console
+
+        get_console().print(self.table)
+
+    def _table(self, trainer: pl.Trainer, series: Series, path: Path | None) -> Any:
+        from rich.table import Table
+
+        table = Table(title="Run summary", show_header=False, title_justify="left")
+        table.add_column("what", style="bold")
+        table.add_column("value", overflow="fold")
+        if self._start is not None and self._end is not None:
+            seconds, steps = self._end[0] - self._start[0], self._end[1] - self._start[1]
+            per_step = f", {seconds / steps:.2f} s per step (validation included)" if steps else ""
+            table.add_row("steps", f"{self._start[1]} -> {self._end[1]} in {seconds:.0f} s{per_step}")
+        train = [v for _, v in series.get(TRAIN_KEY, [])]
+        if train:
+            n = min(self.window, len(train))
+            table.add_row(
+                TRAIN_KEY, f"{_mean(train[:n]):.3f} (first {n} steps) -> {_mean(train[-n:]):.3f} (last {n} steps)"
+            )
+        val = series.get(VAL_KEY, [])
+        if val:
+            first = f"{val[0][1]:.3f} (step {val[0][0]}) -> " if len(val) > 1 else ""
+            table.add_row(VAL_KEY, f"{first}{val[-1][1]:.3f} (step {val[-1][0]})")
+        gates = sorted(k for k in series if k.startswith(GATE_PREFIXES) and k.endswith("max_abs_diff"))
+        for key in gates:
+            worst = max(series[key], key=lambda sv: sv[1])
+            table.add_row(f"worst {key}", f"{worst[1]:.3g} (step {worst[0]}, {len(series[key])} checks)")
+        if path is None:
+            table.add_row("metrics", "no CSVLogger: gate values not shown")
+        else:
+            table.add_row("metrics.csv", str(path))
+        for cb in trainer.checkpoint_callbacks:
+            saved = {"best": cb.best_model_path, "last": cb.last_model_path}
+            for label, value in saved.items():
+                if value and (label == "best" or value != saved["best"]):
+                    table.add_row(f"checkpoint ({label})", value)
+            if not (cb.last_model_path or cb.best_model_path) and cb.dirpath:
+                table.add_row("checkpoints", str(cb.dirpath))
+        images = [cb for cb in trainer.callbacks if isinstance(cb, ValidationImages) and cb.written]
+        if images:
+            table.add_row("validation images", str(images[0].written[-1].parent))
+        if self.curve_path is not None:
+            table.add_row("reward curve", str(self.curve_path))
+        return table
