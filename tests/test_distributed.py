@@ -17,6 +17,8 @@ import torch
 
 from tests.helpers import ROOT, TINY
 
+pytestmark = pytest.mark.integration
+
 STEP = [
     "--trainer.max_steps=1",
     "--trainer.limit_val_batches=0",

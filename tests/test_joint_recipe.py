@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import JOINT, ROOT
+
+pytestmark = pytest.mark.slow
 
 REQUIRED = ["reward/mean", "llm/pg_loss", "llm/kl", "transformer/pg_loss", "transformer/kl",
             "transformer/ratio_mean", "transformer/grad_norm"]  # fmt: skip

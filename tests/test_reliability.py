@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -49,6 +50,10 @@ def nan_second_reward(prompts, refined_prompts, images):
     return [0.5] + [math.nan] * (len(prompts) - 1)
 
 
+def nan_for_blue_reward(prompts, refined_prompts, images):
+    return [math.nan if "blue" in p else 1.0 for p in prompts]
+
+
 def inf_tensor_reward(prompts, refined_prompts, images):
     return torch.tensor([math.inf] + [1.0] * (len(prompts) - 1))
 
@@ -76,8 +81,8 @@ class NoCall:
 @pytest.mark.parametrize(
     ("reward", "error", "pattern"),
     [
-        ("strings_reward", TypeError, r"reward '.*strings_reward' returned a str \('high'\) for sample 0"),
-        ("none_reward", TypeError, r"reward '.*none_reward' returned a NoneType \(None\) for sample 1"),
+        ("strings_reward", TypeError, r"reward '.*strings_reward' returned 'high' \(type str\) for sample 0"),
+        ("none_reward", TypeError, r"reward '.*none_reward' returned None \(type NoneType\) for sample 1"),
         ("matrix_reward", ValueError, r"reward '.*matrix_reward' returned an array of shape \(2, 2\)"),
         ("nan_second_reward", ValueError, r"reward '.*nan_second_reward' returned nan for sample 1 \(prompt 'a blue"),
         ("inf_tensor_reward", ValueError, r"reward '.*inf_tensor_reward' returned inf for sample 0 \(prompt 'a red"),
@@ -114,7 +119,7 @@ def test_numeric_outputs_of_any_kind_are_accepted():
 def test_video_frames_with_a_nan_name_the_video():
     videos = torch.rand(2, 3, 3, 8, 8)
     with pytest.raises(ValueError, match=r"returned nan for sample 1 \(prompt 'a blue square'"):
-        WeightedSum({f"{HERE}.nan_second_reward": 1.0})(PROMPTS, REFINED, videos)
+        WeightedSum({f"{HERE}.nan_for_blue_reward": 1.0})(PROMPTS, REFINED, videos)
 
 
 @pytest.mark.parametrize(
@@ -122,8 +127,8 @@ def test_video_frames_with_a_nan_name_the_video():
     [
         ("no_such_pkg.reward", r"reward 'no_such_pkg.reward': cannot import module 'no_such_pkg'"),
         (f"{HERE}.missing", rf"reward '{HERE}.missing': module '{HERE}' has no attribute 'missing'"),
-        (f"{HERE}.NOT_CALLABLE", rf"reward '{HERE}.NOT_CALLABLE' is a int, not a function or class"),
-        (f"{HERE}.NoCall", rf"reward '{HERE}.NoCall': a NoCall is not callable"),
+        (f"{HERE}.NOT_CALLABLE", rf"reward '{HERE}.NOT_CALLABLE' is not a function or class \(type int\)"),
+        (f"{HERE}.NoCall", rf"reward '{HERE}.NoCall': its instances \(type NoCall\) are not callable"),
         ("brightnes", r"unknown reward 'brightnes'; built-in rewards are .*brightness"),
     ],
 )
@@ -168,7 +173,7 @@ def test_txt_skips_blank_lines_and_bom(tmp_path):
 
 
 def test_inline_list_items_must_be_strings():
-    with pytest.raises(ValueError, match=r"prompt list item 1 is a int \(3\), not a string"):
+    with pytest.raises(ValueError, match=r"prompt list item 1 is 3 \(type int\), not a string"):
         load_prompts(["a red circle", 3])
     with pytest.raises(ValueError, match="the prompt list is empty"):
         load_prompts(["  ", ""])
@@ -216,11 +221,28 @@ def test_atomic_io_sweeps_a_folder_on_its_first_save(tmp_path):
     assert io.load_checkpoint(tmp_path / "last.ckpt", weights_only=True)["step"] == 2
 
 
+class _Payload:
+    """A pickled object that would run code when unpickled without weights_only."""
+
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoints_load_with_weights_only_by_default(tmp_path):
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": _Payload()}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        AtomicCheckpointIO().load_checkpoint(path)  # what Lightning calls for --ckpt_path (weights_only=None)
+
+
 # ------------------------------------------------------------------ run identity
 def _module(**overrides):
+    from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert
+    from unirl_pl.generators import ComponentGenerator
     from unirl_pl.module import UniRLModule
 
-    return UniRLModule(rewards={"brightness": 1.0}, **overrides)
+    parts = {"llm": CausalLMExpert(), "generator": ComponentGenerator(transformer=FlowTransformerExpert(lora_rank=4))}
+    return UniRLModule(rewards={"brightness": 1.0}, **{**parts, **overrides})
 
 
 def test_run_identity_lists_what_a_resume_must_share():
@@ -229,7 +251,11 @@ def test_run_identity_lists_what_a_resume_must_share():
     assert identity["llm.lora_rank"] == 8 and identity["llm.lora_alpha"] == 16.0
     assert identity["llm.lora_targets"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj"])
     assert identity["llm.optimizer"] == "torch.optim.adamw.AdamW" and identity["llm.lr"] == 1e-3
-    assert identity["transformer.lr"] == 3e-4
+    assert identity["transformer.lr"] == 3e-4 and identity["transformer.lora_rank"] == 4
+    assert "data.seed" not in identity, "no datamodule attached"
+    module = _module()
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(seed=7))
+    assert run_identity(module)["data.seed"] == 7
     saved = torch.load(_roundtrip(identity), weights_only=True)
     check_identity(saved, run_identity(_module()))  # unchanged: no error
 
@@ -266,6 +292,9 @@ def test_check_identity_lists_every_changed_key():
     ):
         assert line in message, message
     assert "lora_alpha" not in message
+    check_identity({**saved, "data.seed": 3}, saved)  # no datamodule now (export): the seed is not compared
+    with pytest.raises(ValueError, match=r"  data\.seed: checkpoint=3 now=4"):
+        check_identity({**saved, "data.seed": 3}, {**saved, "data.seed": 4})
 
 
 # ------------------------------------------------------------------ asset manifest
@@ -373,8 +402,8 @@ class StepMarker(pl.Callback):
     Waiting inside the step makes the preemption land deterministically at step ``at``.
     """
 
-    def __init__(self, path: str, at: int = 3, timeout_s: float = 120.0) -> None:
-        self.path, self.at, self.timeout_s = Path(path), at, timeout_s
+    def __init__(self, marker_file: str, at: int = 3, timeout_s: float = 120.0) -> None:
+        self.path, self.at, self.timeout_s = Path(marker_file), at, timeout_s
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step != self.at:
@@ -422,7 +451,7 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path):
         "--trainer.max_steps=30",
         *FAST,
         f"--trainer.callbacks+={HERE}.StepMarker",
-        f"--trainer.callbacks.path={marker}",
+        f"--trainer.callbacks.marker_file={marker}",
         "--trainer.callbacks+=unirl_pl.callbacks.PreemptionCheckpoint",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -446,7 +475,11 @@ def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path):
     assert torch.load(ckpt, weights_only=True)["global_step"] == 3
 
     full = run_cli(tmp_path, f"--trainer.max_steps={n}", *FAST, name="full")
-    resumed = run_cli(tmp_path, f"--trainer.max_steps={n}", *FAST, f"--ckpt_path={ckpt}", name="resumed")
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)
+    # The callback rides along in the resumed run: it must not change training, and must put the handlers back.
+    watch = "--trainer.callbacks+=unirl_pl.callbacks.PreemptionCheckpoint"
+    resumed = run_cli(tmp_path, f"--trainer.max_steps={n}", *FAST, watch, f"--ckpt_path={ckpt}", name="resumed")
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGUSR1)) == handlers
     a, b = _trainable(full), _trainable(resumed)
     assert a.keys() == b.keys() and a
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}

@@ -92,3 +92,23 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_cli_uses_atomic_io(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=1", *FAST)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("--model.mode=generator_only", "mode"),
+        ("--model.generator.init_args.transformer.init_args.lora_alpha=8", "lora_alpha"),
+        ("--model.llm_optimizer.init_args.lr=0.005", "lr"),
+        ("--model.transformer_optimizer=torch.optim.SGD", "optimizer"),
+        ("--data.seed=1", "seed"),
+    ],
+    ids=["mode", "lora_alpha", "lr", "optimizer_class", "seed"],
+)
+def test_resume_with_a_changed_run_identity_is_refused(tmp_path, change, key):
+    ckpts = tmp_path / "ckpts"
+    run_cli(tmp_path, f"--trainer.max_steps={N}", *FAST, *_ckpt_callback(ckpts).split(), name="first")
+    ckpt = ckpts / f"epoch=0-step={N}.ckpt"
+    with pytest.raises(ValueError, match=rf"(?s)Changed settings:.*{key}[^\n]*: checkpoint=.* now=") as err:
+        run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, change, f"--ckpt_path={ckpt}", name="second")
+    assert "resume" in str(err.value).lower() or "checkpoint" in str(err.value).lower()

@@ -72,6 +72,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise
         _fsync_dir(target.parent)
 
+    def load_checkpoint(
+        self, path: Any, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Lightning's loader, with ``weights_only=True`` unless the caller asks otherwise.
+
+        Lightning passes ``None`` (``--weights_only`` unset), which is ``torch.load``'s own default
+        locally (``True`` only since torch 2.6) and ``False`` for http(s) URLs; a checkpoint from
+        elsewhere must not be able to run code, so ``None`` means ``True`` here.
+        """
+        weights_only = True if weights_only is None else weights_only
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
 
 def remove_stale_tmp(dirpath: str | os.PathLike, min_age_s: float = STALE_TMP_AGE_S) -> list[Path]:
     """Delete the temp files (``.*.tmp``) that interrupted :class:`AtomicCheckpointIO` writes left in ``dirpath``.
@@ -207,6 +219,8 @@ def run_identity(module: Any) -> dict[str, Any]:
     ``<expert>.optimizer`` and ``<expert>.lr`` for every trained expert, and ``data.seed`` when a
     datamodule with a ``seed`` is attached. Optimizers are read by building each expert's optimizer
     on a dummy parameter, which works before ``configure_optimizers`` has run (as in ``on_load_checkpoint``).
+    Call it once the experts exist (after ``configure_model``, as in both checkpoint hooks): a
+    signature default that jsonargparse has not initialized yet has no LoRA settings to read.
     """
     identity: dict[str, Any] = {"mode": module.mode, "trained": list(module.trained)}
     for name, expert in module.experts().items():
@@ -236,13 +250,17 @@ def run_identity(module: Any) -> dict[str, Any]:
 def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
     """Raise ``ValueError`` listing every key whose value differs between ``saved`` and ``current``.
 
-    A key present on one side only counts as changed (``<absent>`` on the other). The message shows
+    A key present on one side only counts as changed (``<absent>`` on the other), except ``data.seed``
+    missing from ``current`` (no datamodule attached, as in ``python -m unirl_pl.export``). The message shows
     ``key: checkpoint=<old> now=<new>`` per line, so a resume with a changed recipe stops before it trains.
     """
     missing = "<absent>"
+    keys = set(saved) | set(current)
+    if "data.seed" not in current:
+        keys.discard("data.seed")  # no datamodule attached (e.g. export): nothing to compare against
     changed = [
         f"  {key}: checkpoint={saved.get(key, missing)!r} now={current.get(key, missing)!r}"
-        for key in sorted(set(saved) | set(current))
+        for key in sorted(keys)
         if saved.get(key, missing) != current.get(key, missing)
     ]
     if changed:

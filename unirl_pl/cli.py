@@ -5,35 +5,148 @@ A recipe names its LightningModule and DataModule by ``class_path`` (the RL trai
 module), so RL and pretraining run through the same entry point; dotted overrides may skip
 ``init_args`` (``--model.mode=prompt_only``). Optimizers are per expert, so LightningCLI's
 single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
+
+What the command line adds to LightningCLI:
+
+- one intra-op thread per process unless ``OMP_NUM_THREADS`` is set (OpenMP threads spin-wait on
+  shared cores: the main job ran 10x slower with the default);
+- input paths of a recipe resolve relative to the recipe or the package (:mod:`unirl_pl.paths`);
+- only ``fit`` creates a logger version folder and saves ``config.yaml``; ``validate`` and
+  ``predict`` run without a logger unless ``--trainer.logger`` is given on the command line;
+- a configuration error (parsing, instantiation, a missing input file) prints one short message
+  and exits with status 2; ``JSONARGPARSE_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import re
+import sys
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI
+import torch
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import FSDPStrategy
 
 from unirl_pl.checkpoint import AtomicCheckpointIO
+from unirl_pl.paths import resolve_inputs, search_roots
+
+PROG = "python -m unirl_pl"
+_UNION = "Does not validate against any of the Union subtypes"
+_CONFIG_ERRORS = (argparse.ArgumentError, ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError)
+
+
+class ConfigError(Exception):
+    """A configuration mistake, already worded for the user (``main`` prints it and exits with status 2)."""
+
+
+def config_error_message(err: BaseException) -> str:
+    """The innermost meaningful message of ``err``'s cause chain, prefixed by the config key it concerns.
+
+    jsonargparse wraps a class's own error (``samples_per_prompt must be >= 2``) in union dumps
+    (``Does not validate against any of the Union subtypes ... Given value: Namespace(...)``) and
+    reports the key as ``Parser key "model"`` then ``Parser key "mode"``; this keeps the key path
+    (``model.mode``) and the deepest message that is not a dump.
+    """
+    chain: list[BaseException] = []
+    current: BaseException | None = err
+    while current is not None and all(current is not seen for seen in chain):
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    keys: list[str] = []
+    for exc in chain:
+        found = re.match(r'\s*Parser key "([^"]+)"', str(exc))
+        if found and (not keys or keys[-1] != found.group(1)):
+            keys.append(found.group(1))
+    message = ""
+    for exc in reversed(chain):
+        lines = [
+            line.strip()
+            for line in _unquote(str(exc).strip()).splitlines()
+            if not re.match(r'\s*(Parser key "[^"]+"|Problem with given class_path .*):\s*$', line)
+        ]
+        text = " ".join(line for line in lines if line)
+        if text and _UNION not in text:
+            message = text
+            break
+    message = message or " ".join(str(err).split())
+    key = ".".join(keys)
+    return f"{key}: {message}" if key and not message.startswith(key) else message
+
+
+def _unquote(text: str) -> str:
+    """A ``KeyError``'s message without the quotes its ``str()`` adds."""
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
 
 
 class UniRLCLI(LightningCLI):
-    """LightningCLI with the project's module and data, and checks Lightning itself does not make."""
+    """LightningCLI with the project's module and data, and checks Lightning itself does not make.
+
+    Args:
+        friendly_errors: Turn configuration errors into :class:`ConfigError` with a short message
+            (``main`` with ``run=True``); otherwise they propagate unchanged.
+    """
+
+    def __init__(self, *args: Any, friendly_errors: bool = False, **kwargs: Any) -> None:
+        self.friendly_errors = friendly_errors
+        self.raw_args: list[str] = []
+        super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # No `test`: the RL module has no test step; `validate` scores held-out prompts.
+        subcommands = dict(LightningCLI.subcommands())
+        subcommands.pop("test", None)
+        return subcommands
+
+    @contextlib.contextmanager
+    def _config_phase(self) -> Iterator[None]:
+        try:
+            yield
+        except _CONFIG_ERRORS as err:
+            if not self.friendly_errors:
+                raise
+            raise ConfigError(config_error_message(err)) from err
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        self.raw_args = [a for a in (sys.argv[1:] if args is None else args) if isinstance(a, str)]
+        with self._config_phase():
+            super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        with self._config_phase():
+            super()._parse_ckpt_path()
+
+    def _user_set(self, key: str) -> bool:
+        """Whether the command line (not a recipe) gives ``key`` itself (``--trainer.logger=...``, not a sub-key)."""
+        return any(a == f"--{key}" or a.startswith((f"--{key}=", f"--{key}+=")) for a in self.raw_args)
 
     def before_instantiate_classes(self) -> None:
-        config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-        strategy = config.get("trainer", {}).get("strategy")
-        name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
-        if "fsdp" in str(name).lower() and "ModelParallel" not in str(name):
-            raise ValueError(
-                "FSDPStrategy (FSDP1) is not supported: it needs a GPU and Lightning does not support it with "
-                "manual optimization. Use FSDP2 instead: trainer.strategy=lightning.pytorch.strategies."
-                "ModelParallelStrategy (see recipes/fsdp.yaml)."
-            )
+        with self._config_phase():
+            config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+            strategy = config.get("trainer", {}).get("strategy")
+            name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
+            if "fsdp" in str(name).lower() and "ModelParallel" not in str(name):
+                raise ValueError(
+                    "FSDPStrategy (FSDP1) is not supported: it needs a GPU and Lightning does not support it with "
+                    "manual optimization. Use FSDP2 instead: trainer.strategy=lightning.pytorch.strategies."
+                    "ModelParallelStrategy (see recipes/fsdp.yaml)."
+                )
+            recipes = [str(p) for p in (config.get("config") or []) if p is not None]
+            resolve_inputs(config, search_roots(recipes))
+            if self.subcommand in ("validate", "predict") and not self._user_set("trainer.logger"):
+                # Only fit makes a run: evaluating a checkpoint must not add an empty version folder.
+                config["trainer"]["logger"] = False
+
+    def instantiate_classes(self) -> None:
+        with self._config_phase():
+            super().instantiate_classes()
 
     def instantiate_trainer(self, **kwargs: Any):
         trainer = super().instantiate_trainer(**kwargs)
@@ -42,23 +155,57 @@ class UniRLCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # A crash while writing must leave the previous checkpoint usable; a user-chosen IO is kept.
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        if self.subcommand not in (None, "fit"):
+            # config.yaml describes a run; without a logger it would land in the current directory.
+            trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SaveConfigCallback)]
         return trainer
 
 
+def default_threads() -> None:
+    """One intra-op thread per process unless ``OMP_NUM_THREADS`` says otherwise.
+
+    Tiny and CPU-bound models gain little from intra-op threads, and OpenMP workers spin-wait when
+    the cores are shared (other processes, DDP ranks): the main job took 30 min instead of 3. The
+    variable is also inherited by child processes (DDP ranks, data workers).
+    """
+    if "OMP_NUM_THREADS" not in os.environ:
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
-    """Run the CLI (``args`` as on the command line; None reads ``sys.argv``)."""
+    """Run the CLI (``args`` as on the command line; None reads ``sys.argv``).
+
+    With ``run`` (a subcommand is run), a configuration error prints one short message to stderr and
+    exits with status 2; errors while the subcommand runs propagate. ``run=False`` only parses and
+    instantiates, and raises every error as is.
+    """
+    default_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
     # The module builds each experience from the prompt batch in its on_after_batch_transfer, by design.
     warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_transfer` in `LightningModule`")
-    return UniRLCLI(
-        pl.LightningModule,
-        pl.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        auto_configure_optimizers=False,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-        run=run,
-    )
+    friendly = run and not os.environ.get("JSONARGPARSE_DEBUG")
+    parser_kwargs: dict[str, Any] = {"prog": PROG}
+    if friendly:
+        parser_kwargs["exit_on_error"] = False
+        parser_kwargs.update({name: {"exit_on_error": False} for name in UniRLCLI.subcommands()})
+    try:
+        return UniRLCLI(
+            pl.LightningModule,
+            pl.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs=parser_kwargs,
+            args=args,
+            run=run,
+            friendly_errors=friendly,
+        )
+    except ConfigError as err:
+        given = sys.argv[1:] if args is None else args
+        subcommand = next((f" {a}" for a in given if a in UniRLCLI.subcommands()), "")
+        print(f"error: {err}\nThe options: {PROG}{subcommand} --help", file=sys.stderr)
+        raise SystemExit(2) from None

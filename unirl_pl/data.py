@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from unirl_pl.manifest import verify_assets
 from unirl_pl.method.advantages import GroupLayout
 
 DEFAULT_PROMPTS = (
@@ -39,6 +40,7 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
     ``None`` gives the embedded default set. Blank lines are skipped; a JSONL row whose ``prompt`` is
     missing, not a string or blank is an error naming the file and line, and so is a line that is not
     UTF-8. A missing file, a file or list without prompts, and a list item that is not a string are errors.
+    A prompt file shipped in ``unirl_pl/assets`` must match ``MANIFEST.sha256``.
     """
     if source is None:
         return list(default)
@@ -46,7 +48,7 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
         bad = [(i, item) for i, item in enumerate(source) if not isinstance(item, str)]
         if bad:
             i, item = bad[0]
-            raise ValueError(f"prompt list item {i} is a {type(item).__name__} ({item!r}), not a string")
+            raise ValueError(f"prompt list item {i} is {item!r} (type {type(item).__name__}), not a string")
         prompts = [p.strip() for p in source if p.strip()]
         if not prompts:
             raise ValueError("the prompt list is empty (or holds only blank strings)")
@@ -54,6 +56,7 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
+    verify_assets(path)  # a shipped prompt file (unirl_pl/assets) must match its manifest hash; others pass
     prompts = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):

@@ -16,7 +16,7 @@ import argparse
 import hashlib
 import os
 from collections.abc import Iterable
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -36,7 +36,7 @@ def sha256_file(path: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cached_sha256(path: str, size: int, mtime_ns: int) -> str:
     # Keyed by size and mtime too, so a file changed on disk is hashed again.
     return sha256_file(path)

@@ -29,7 +29,8 @@ def rollout_metrics(
 ) -> dict[str, Tensor | float]:
     """Reward spread and terms, advantage statistics, cache hit rate, versions, staleness, refinements."""
     metrics: dict[str, Tensor | float] = {
-        "reward/std": exp.rewards.std(unbiased=False),
+        "reward/std": exp.rewards[exp.rewards.isfinite()].std(unbiased=False),
+        "reward/dropped": float(exp.dropped),
         "advantage/zero_std_frac": exp.zero_std_frac,
         "advantage/abs_mean": exp.advantages["diffusion_denoise"].abs().mean(),
         "cache/text_encoder_hit_rate": hit_rate,

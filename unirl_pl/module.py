@@ -20,7 +20,16 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from unirl_pl.card import Card
-from unirl_pl.checkpoint import TRIMMED_KEY, refill_trimmed, rng_states, set_rng_states, trim_frozen
+from unirl_pl.checkpoint import (
+    IDENTITY_KEY,
+    TRIMMED_KEY,
+    check_identity,
+    refill_trimmed,
+    rng_states,
+    run_identity,
+    set_rng_states,
+    trim_frozen,
+)
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import agree_max, shard_experts, token_loss_weight
@@ -74,6 +83,9 @@ class UniRLModule(pl.LightningModule):
         max_consecutive_skips: A step whose loss or gradient norm is not finite is skipped (weights,
             optimizer state and versions untouched; ``train/skipped_steps`` counts them); more than this
             many in a row stop the run with an error.
+        nonfinite_rewards: A reward that is NaN or infinite: ``error`` stops the run naming the reward and
+            the sample; ``drop`` removes that sample from its group (advantage 0, counted in
+            ``reward/dropped``); ``skip`` skips the whole step (weights untouched, ``train/skipped_steps``).
     """
 
     def __init__(
@@ -94,6 +106,7 @@ class UniRLModule(pl.LightningModule):
         on_stale: Literal["error", "log"] = "error",
         reshard_after_forward: bool = True,
         max_consecutive_skips: int = 3,
+        nonfinite_rewards: Literal["error", "drop", "skip"] = "error",
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -103,6 +116,8 @@ class UniRLModule(pl.LightningModule):
             raise ValueError(f"ppo_epochs must be >= 1, got {ppo_epochs}")
         if on_stale not in ("error", "log"):
             raise ValueError(f"on_stale must be 'error' or 'log', got {on_stale!r}")
+        if nonfinite_rewards not in ("error", "drop", "skip"):
+            raise ValueError(f"nonfinite_rewards must be 'error', 'drop' or 'skip', got {nonfinite_rewards!r}")
         if max_consecutive_skips < 0:
             raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         if not rewards:
@@ -119,7 +134,10 @@ class UniRLModule(pl.LightningModule):
             generator.pipeline_path = pipeline_path
         self.mode, self.llm, self.generator = mode, llm, generator
         self.rollout_config, self.advantage = rollout, advantage
-        self.reward_fn = WeightedSum(rewards, reward_args)
+        self.reward_fn = WeightedSum(
+            rewards, reward_args, nonfinite="error" if nonfinite_rewards == "error" else "drop"
+        )
+        self.nonfinite_rewards = nonfinite_rewards
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
         self.ppo_epochs, self.on_stale, self.reshard_after_forward = ppo_epochs, on_stale, reshard_after_forward
@@ -166,6 +184,7 @@ class UniRLModule(pl.LightningModule):
             trained={loop: self.card.owner(loop) in self.trained for loop in self.card.loops},
             owners={loop: self.card.owner(loop) for loop in self.card.loops},
             batch_std=self._global_std,
+            drop_nonfinite=self.nonfinite_rewards == "drop",
         )
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -325,7 +344,12 @@ class UniRLModule(pl.LightningModule):
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(exp.prompts), sync_dist=True)
         self.log(
-            "reward/mean", exp.rewards.mean(), prog_bar=True, on_step=True, batch_size=len(exp.prompts), sync_dist=True
+            "reward/mean",
+            exp.rewards.nanmean(),
+            prog_bar=True,
+            on_step=True,
+            batch_size=len(exp.prompts),
+            sync_dist=True,
         )
 
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
@@ -382,7 +406,7 @@ class UniRLModule(pl.LightningModule):
         means = {name: torch.zeros(()) for name in ["mean", *self.reward_fn.terms]}
         if n:
             total, parts = self.reward_fn(prompts, refined, images)
-            means = {"mean": total.mean()} | {name: values.mean() for name, values in parts.items()}
+            means = {"mean": total.nanmean()} | {name: values.nanmean() for name, values in parts.items()}
         for name, value in means.items():
             self.log(f"val/reward_{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "mean")
         for name in self.reward_fn.terms:
@@ -406,11 +430,15 @@ class UniRLModule(pl.LightningModule):
             raise RuntimeError("refusing to write a checkpoint: a trainable weight is not finite")
         checkpoint["unirl_versions"] = self.ledger.as_dict()
         checkpoint["unirl_skipped_steps"] = self.skipped_steps
+        checkpoint[IDENTITY_KEY] = run_identity(self)
         checkpoint["unirl_rng"] = rng_states()
         # Frozen base weights are rebuilt by configure_model; keeping them would bloat every checkpoint.
         checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], self)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if IDENTITY_KEY in checkpoint:
+            # A resume that changes what is trained, how (LoRA, optimizers, lr) or the seed is refused.
+            check_identity(checkpoint[IDENTITY_KEY], run_identity(self))
         if "unirl_versions" in checkpoint:
             self.ledger.load(checkpoint["unirl_versions"])
         self.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))

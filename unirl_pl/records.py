@@ -106,7 +106,9 @@ class Experience:
     text sample, of P*K, the image renders) and ``rewards``; per text sample ``text_rewards`` (mean of its
     images). ``records`` and ``advantages`` are keyed by loop: ``ar_decode`` (the refined rows, in
     ``LMRecord.rows`` order) and ``diffusion_denoise`` (every image); a record is absent when its loop did
-    not run or its experts are frozen. ``reward_terms`` holds each weighted reward's raw mean for logging.
+    not run or its experts are frozen. ``reward_terms`` holds each weighted reward's raw mean for logging;
+    ``dropped`` counts samples whose non-finite reward was dropped (their ``rewards`` entry is NaN, their
+    advantage 0).
     """
 
     prompts: list[str]
@@ -120,6 +122,7 @@ class Experience:
     zero_std_frac: float
     images: Tensor | None = None
     fallback_frac: float | None = None
+    dropped: int = 0
 
     @property
     def lm(self) -> LMRecord | None:

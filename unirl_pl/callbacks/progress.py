@@ -114,6 +114,14 @@ class RLProgressBar(RichProgressBar):
         if self.progress is not None:
             # Speed over the last two minutes: validations and slow steps average in, one step does not swing it.
             self.progress.speed_estimate_period = 120.0
+            if self._console is not None and not self._console.is_terminal:
+                self.progress.live.transient = True  # plain lines instead; no final frame in a log file
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking:  # a partial check before training: not a validation reward to show
+            self.reset_dataloader_idx_tracker()
+            return
+        super().on_validation_end(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_epoch_start(trainer, pl_module)
@@ -142,7 +150,9 @@ class RLProgressBar(RichProgressBar):
             parts.append(("-.--" if task.speed is None else f"{task.speed:.2f}") + " steps/s")
             parts.append(f"{_clock(task.time_remaining)} left")
         for name, value in self.get_metrics(trainer, pl_module).items():
-            parts.append(f"{name} {value:{self.theme.metrics_format}}" if isinstance(value, float) else f"{name} {value}")
+            parts.append(
+                f"{name} {value:{self.theme.metrics_format}}" if isinstance(value, float) else f"{name} {value}"
+            )
         return " | ".join(parts)
 
     def _print_line(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image, ImageDraw, ImageFont
 
@@ -40,7 +41,8 @@ def read_series(path: Path) -> Series:
 
 
 def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], size=(640, 400)) -> Image.Image:
-    """A line chart of the training reward (blue) and the validation reward (orange dots) against the step."""
+    """A line chart against the step: the training reward (light blue, its running mean dark blue) and the
+    validation reward (orange dots)."""
     width, height = size
     left, right, top, bottom = 56, 16, 28, 40
     img = Image.new("RGB", size, "white")
@@ -62,8 +64,7 @@ def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], s
         y = top + (y1 - value) / (y1 - y0) * (height - top - bottom)
         return x, y
 
-    # Axes, grid and tick labels (5 ticks each way).
-    draw.rectangle([left, top, width - right, height - bottom], outline="black")
+    # Grid, tick labels (5 ticks each way), then the frame over the grid.
     for i in range(5):
         value = y0 + (y1 - y0) * i / 4
         _, y = xy(x0, value)
@@ -73,10 +74,16 @@ def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], s
         x, _ = xy(step, y0)
         draw.text((x - 8, height - bottom + 4), f"{step:.0f}", fill="black", font=font)
     draw.text(((width - right + left) // 2 - 12, height - LINE_H - 4), "step", fill="black", font=font)
+    draw.rectangle([left, top, width - right, height - bottom], outline="black")
 
-    blue, orange = (31, 119, 180), (255, 127, 14)
+    blue, light, orange = (31, 119, 180), (174, 199, 232), (255, 127, 14)
     if len(train) > 1:
-        draw.line([xy(s, v) for s, v in train], fill=blue, width=2)
+        # The raw per-step reward (light) and its running mean over `smooth` steps (dark).
+        draw.line([xy(s, v) for s, v in train], fill=light, width=1)
+        smooth = max(1, min(5, len(train) // 4))
+        values = [v for _, v in train]
+        means = [_mean(values[max(0, i - smooth + 1) : i + 1]) for i in range(len(values))]
+        draw.line([xy(s, m) for (s, _), m in zip(train, means, strict=True)], fill=blue, width=2)
     for s, v in train if len(train) == 1 else []:
         x, y = xy(s, v)
         draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=blue)
@@ -130,17 +137,19 @@ class RunSummary(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end = (time.perf_counter(), trainer.global_step)
 
-    def _remember(self, trainer: pl.Trainer, key: str) -> None:
+    def _remember(self, trainer: pl.Trainer, key: str, step: int) -> None:
         value = trainer.callback_metrics.get(key)
         if value is not None:
-            self._seen.setdefault(key, []).append((trainer.global_step, float(value)))
+            self._seen.setdefault(key, []).append((step, float(value)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self._remember(trainer, TRAIN_KEY)
+        # As metrics.csv steps it: the reward of the rollout made after `step` updates.
+        self._remember(trainer, TRAIN_KEY, trainer.global_step - 1)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == "fit":
-            self._remember(trainer, VAL_KEY)
+            # The weights after `global_step` updates (metrics.csv files it one step earlier).
+            self._remember(trainer, VAL_KEY, trainer.global_step)
 
     # ------------------------------------------------------------------ reporting
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -150,7 +159,9 @@ class RunSummary(pl.Callback):
             logger.save()  # the CSV logger buffers rows; the gates' rows must be in the file
         path = metrics_csv(trainer)
         series = read_series(path) if path is not None and path.is_file() else dict(self._seen)
-        train, val = series.get(TRAIN_KEY, []), series.get(VAL_KEY, [])
+        # Validation by the step whose weights it scored (the x of images/val_step<N>.png).
+        series[VAL_KEY] = self._seen.get(VAL_KEY, [])
+        train, val = series.get(TRAIN_KEY, []), series[VAL_KEY]
         log_dir = Path(trainer.log_dir or trainer.default_root_dir)
         if self.curve and (train or val):
             image = reward_curve(train, val)
@@ -159,9 +170,14 @@ class RunSummary(pl.Callback):
             image.save(self.curve_path)
             add_image_to_tensorboard(trainer, "reward_curve", image, trainer.global_step)
         self.table = self._table(trainer, series, path)
+        bar = trainer.progress_bar_callback
+        if isinstance(bar, RichProgressBar):
+            bar.teardown(trainer, pl_module, "fit")  # stop the live bar first: the table goes below it
         from rich import get_console
 
-        get_console().print(self.table)
+        console = get_console()
+        # A log file is 80 columns to rich; paths read better unbroken there.
+        console.print(self.table, width=None if console.is_terminal else max(console.width, 132))
 
     def _table(self, trainer: pl.Trainer, series: Series, path: Path | None) -> Any:
         from rich.table import Table
@@ -181,12 +197,13 @@ class RunSummary(pl.Callback):
             )
         val = series.get(VAL_KEY, [])
         if val:
-            first = f"{val[0][1]:.3f} (step {val[0][0]}) -> " if len(val) > 1 else ""
-            table.add_row(VAL_KEY, f"{first}{val[-1][1]:.3f} (step {val[-1][0]})")
+            first = f"{val[0][1]:.3f} (after step {val[0][0]}) -> " if len(val) > 1 else ""
+            table.add_row(VAL_KEY, f"{first}{val[-1][1]:.3f} (after step {val[-1][0]})")
         gates = sorted(k for k in series if k.startswith(GATE_PREFIXES) and k.endswith("max_abs_diff"))
         for key in gates:
             worst = max(series[key], key=lambda sv: sv[1])
-            table.add_row(f"worst {key}", f"{worst[1]:.3g} (step {worst[0]}, {len(series[key])} checks)")
+            checks = len(series[key])
+            table.add_row(key, f"{worst[1]:.3g} worst (step {worst[0]}, {checks} check{'s' * (checks != 1)})")
         if path is None:
             table.add_row("metrics", "no CSVLogger: gate values not shown")
         else:

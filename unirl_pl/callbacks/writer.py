@@ -33,9 +33,7 @@ def to_frames(images: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     return pixels.permute(0, 2, 3, 1).numpy(), None
 
 
-def captioned_grid(
-    images: np.ndarray, rows: list[dict[str, Any]], tile: int = 128, columns: int = 4
-) -> Image.Image:
+def captioned_grid(images: np.ndarray, rows: list[dict[str, Any]], tile: int = 128, columns: int = 4) -> Image.Image:
     """A sheet of ``images`` (uint8 ``(N, H, W, 3)``), each enlarged to ``tile`` pixels high (nearest
     neighbour, so pixels stay crisp) with its ``prompt``, ``refined`` prompt and ``reward`` under it."""
     font = ImageFont.load_default()
@@ -165,7 +163,7 @@ class ValidationImages(pl.Callback):
         columns: Images per grid row.
     """
 
-    def __init__(self, max_images: int = 16, tile: int = 96, columns: int = 8) -> None:
+    def __init__(self, max_images: int = 16, tile: int = 128, columns: int = 8) -> None:
         if max_images < 1 or tile < 16 or columns < 1:
             raise ValueError(f"need max_images >= 1, tile >= 16 and columns >= 1, got {max_images}, {tile}, {columns}")
         self.max_images, self.tile, self.columns = max_images, tile, columns

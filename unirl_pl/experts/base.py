@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -12,6 +13,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from unirl_pl.experts._common import check_positive, preserved_requires_grad, resolve_dtype
+from unirl_pl.manifest import verify_assets
 
 # Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference policy;
 # ``gaussian`` (A ~ N(0, 1/r)) is what Flow-GRPO uses.
@@ -103,6 +105,7 @@ class Expert(torch.nn.Module):
         this inside ``seeded_cpu_init``)."""
         if self.pretrained_path is not None:
             # ``torch_dtype`` (not ``.to``) keeps the modules diffusers pins to float32 in float32.
+            verify_assets(Path(self.pretrained_path) / (self.subfolder or ""))
             return cls.from_pretrained(self.pretrained_path, subfolder=self.subfolder, torch_dtype=self.dtype)
         model = cls(**self.tiny_config())
         return model if self.dtype == torch.float32 else model.to(self.dtype)

@@ -21,6 +21,7 @@ from unirl_pl.experts._common import check_divisible, check_positive, seeded_cpu
 from unirl_pl.experts.base import LoRAExpert
 from unirl_pl.experts.chat import ChatFormat, format_requests, parse_reply
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
+from unirl_pl.manifest import verify_assets
 
 DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -111,6 +112,7 @@ class CausalLMExpert(LoRAExpert):
                 base = Qwen2ForCausalLM(self._tiny_config(tokenizer)).to(self.dtype)
             else:
                 # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
+                verify_assets(self.pretrained_path)
                 base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
             model = self._attach_lora(base)
         params = inspect.signature(base.forward).parameters

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import (
     CLIPTextConfig,
@@ -12,6 +14,7 @@ from transformers import (
 from unirl_pl.experts._common import check_divisible, check_positive, freeze, seeded_cpu_init
 from unirl_pl.experts.base import FrozenExpert
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
+from unirl_pl.manifest import verify_assets
 
 
 class TextEncoderExpert(FrozenExpert):
@@ -103,6 +106,7 @@ class TextEncoderExpert(FrozenExpert):
         else:
             tokenizer = load_tokenizer(self.pretrained_path, self.tokenizer_subfolder or self.subfolder)
             kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
+            verify_assets(Path(self.pretrained_path) / (self.subfolder or ""))
             model = CLIPTextModelWithProjection.from_pretrained(self.pretrained_path, dtype=self.dtype, **kwargs)
         limit = model.config.max_position_embeddings
         if self.max_length > limit:

@@ -100,27 +100,53 @@ def check_scheme(config: AdvantageConfig, layout: GroupLayout) -> None:
         )
 
 
+def fill_dropped(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor]:
+    """Non-finite rewards replaced by their group's mean finite reward (0 for a group with none), and the
+    mask of the replaced ones.
+
+    A filled sample sits exactly at its group's mean, so its advantage is 0 and the others' are those of
+    the group without it, up to the std, which the filled value does not widen.
+    """
+    bad = ~torch.isfinite(rewards)
+    if not bool(bad.any()):
+        return rewards, bad
+    _, inverse = torch.unique(groups, return_inverse=True)
+    good = (~bad).to(rewards.dtype)
+    zeros = torch.zeros(int(inverse.max()) + 1, dtype=rewards.dtype)
+    total = zeros.index_add(0, inverse, torch.where(bad, torch.zeros_like(rewards), rewards))
+    count = zeros.index_add(0, inverse, good)
+    mean = (total / count.clamp_min(1))[inverse]
+    return torch.where(bad, mean, rewards), bad
+
+
 def compute_advantages(
     rewards: Tensor,
     layout: GroupLayout,
     p: int,
     config: AdvantageConfig,
     batch_std: Callable[[Tensor], Tensor | None],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(text_rewards, text_advantages, image_advantages)`` from the (P*K*M,) image rewards.
+    drop_nonfinite: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(text_rewards, text_advantages, image_advantages, dropped)`` from the (P*K*M,) image rewards.
 
     ``batch_std`` returns the std of the global batch (all ranks) for ``global_std``, or None on one process.
+    With ``drop_nonfinite`` a non-finite reward is replaced by its prompt group's mean (advantage 0,
+    ``dropped`` marks it); otherwise it propagates, and the step's non-finite loss skips the update.
     """
     check_scheme(config, layout)
     m = layout.images_per_refinement
+    dropped = torch.zeros_like(rewards, dtype=torch.bool)
+    if drop_nonfinite:
+        rewards, dropped = fill_dropped(rewards, layout.text_prompt(p)[layout.image_text(p)])
     text_rewards = rewards.view(-1, m).mean(1)
     prompt_of_text = layout.text_prompt(p)
     kwargs = {"global_std": config.global_std, "clip_max": config.clip_max}
     std = batch_std(text_rewards) if config.global_std else None
     text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=std, **kwargs)
     if config.scheme == "shared" and m == 1:
-        return text_rewards, text_adv, text_adv  # PromptRL: literally one advantage per sample for both experts.
+        # PromptRL: literally one advantage per sample for both experts.
+        return text_rewards, text_adv, text_adv, dropped
     img_text = layout.image_text(p)
     groups = prompt_of_text[img_text] if config.scheme == "shared" else img_text
     std = batch_std(rewards) if config.global_std else None
-    return text_rewards, text_adv, group_advantages(rewards, groups, batch_std=std, **kwargs)
+    return text_rewards, text_adv, group_advantages(rewards, groups, batch_std=std, **kwargs), dropped

@@ -39,6 +39,8 @@ class ExperienceSource:
             frozen (``serve`` profile, no record).
         owners: Loop name -> the component whose version stamps its records.
         batch_std: The global batch's reward std across ranks (None on one process).
+        drop_nonfinite: Replace non-finite rewards by their group's mean (advantage 0) instead of letting
+            them reach the loss (whose non-finite value then skips the step).
     """
 
     ar_decode: ARDecode | None
@@ -50,6 +52,7 @@ class ExperienceSource:
     trained: dict[str, bool]
     owners: dict[str, str]
     batch_std: Callable[[Tensor], Tensor | None]
+    drop_nonfinite: bool = False
 
     def _profile(self, loop: str) -> Profile:
         return "rollout" if self.trained.get(loop) else "serve"
@@ -100,7 +103,9 @@ class ExperienceSource:
         images = self.conditioning.decode(latents)
         originals = [batch.prompts[t // k] for t in img_text.tolist()]
         rewards, parts = self.reward(originals, image_texts, images)
-        text_rewards, text_adv, image_adv = compute_advantages(rewards, layout, p, self.advantages, self.batch_std)
+        text_rewards, text_adv, image_adv, dropped = compute_advantages(
+            rewards, layout, p, self.advantages, self.batch_std, drop_nonfinite=self.drop_nonfinite
+        )
         advantages = {"diffusion_denoise": image_adv.to(device)}
         if rows:
             advantages["ar_decode"] = text_adv[rows].to(device)
@@ -114,7 +119,8 @@ class ExperienceSource:
             prompts=originals,
             refined=image_texts,
             text_index=img_text,
-            rewards=rewards.to(device),
+            rewards=torch.where(dropped, torch.nan, rewards).to(device),
+            dropped=int(dropped.sum()),
             text_rewards=text_rewards.to(device),
             records=records,
             advantages=advantages,

@@ -165,7 +165,7 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
         except AttributeError:
             raise ValueError(f"reward {name!r}: module {module_name!r} has no attribute {attr!r}") from None
         if not callable(factory):
-            raise ValueError(f"reward {name!r} is a {type(factory).__name__}, not a function or class")
+            raise ValueError(f"reward {name!r} is not a function or class (type {type(factory).__name__})")
         if not inspect.isclass(factory):
             if kwargs:
                 raise ValueError(f"reward {name!r} is a function; it takes no reward_args")
@@ -179,7 +179,7 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
         raise ValueError(f"reward {name!r}: bad reward_args {kwargs}: {err}") from None
     if not callable(reward):
         raise ValueError(
-            f"reward {name!r}: a {type(reward).__name__} is not callable; a reward class needs "
+            f"reward {name!r}: its instances (type {type(reward).__name__}) are not callable; a reward class needs "
             "__call__(prompts, refined_prompts, images) returning one number per sample"
         )
     return reward
@@ -279,13 +279,13 @@ def _as_values(name: str, values: Any, expected: int, what: str) -> Tensor:
         tensor = values.detach() if isinstance(values, Tensor) else torch.from_numpy(np.asarray(values))
         return tensor.to(device="cpu", dtype=torch.float32)
     if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
-        raise TypeError(f"reward {name!r} returned a {type(values).__name__}, not a list of numbers")
+        raise TypeError(f"reward {name!r} returned type {type(values).__name__}, not a list of numbers")
     if len(values) != expected:
         raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} {what}")
     for i, value in enumerate(values):
         if not _is_real(value):
             raise TypeError(
-                f"reward {name!r} returned a {type(value).__name__} ({value!r}) for sample {i}; "
+                f"reward {name!r} returned {value!r} (type {type(value).__name__}) for sample {i}; "
                 "rewards must return real numbers"
             )
     return torch.tensor([float(v) for v in values], dtype=torch.float32)
