@@ -215,3 +215,14 @@ def test_plugin_callback_fires_on_a_reward_outside_its_range(tmp_path):
             "--trainer.callbacks.low=0.9",
             "--trainer.callbacks.high=1.0",
         )
+
+
+def test_a_mixture_of_transformers_card_binds_one_component_to_both_loops():
+    card = Card({"mot": "expert", "text_encoder": "frozen"}, {"ar_decode": ["mot"], "diffusion_denoise": ["mot"]})
+    card.validate("joint")
+    assert card.trained_components("joint") == ["mot"], "one expert, trained once, by both loops"
+    assert card.loops_of("mot") == ["ar_decode", "diffusion_denoise"]
+    assert card.owner("ar_decode") == card.owner("diffusion_denoise") == "mot"
+    assert card.trained_components("generator_only") == ["mot"]
+    with pytest.raises(CardError, match="binds no expert"):
+        Card({"enc": "frozen"}, {"diffusion_denoise": ["enc"]}).owner("diffusion_denoise")

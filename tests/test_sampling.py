@@ -1,4 +1,4 @@
-"""The sampler against DESIGN.md's formulas, written out independently here in float64."""
+"""The sampler against the Flow-GRPO formulas, written out independently here in float64."""
 
 import math
 
@@ -9,7 +9,7 @@ from unirl_pl.sampling import flow_kl, flow_sde_step_with_logprob, flow_sigmas, 
 
 
 def reference_step(x, v, s, s_next, sigma_max, a, x_next):
-    """DESIGN.md's formulas, elementwise in float64, for one sample with scalar sigmas."""
+    """The Flow-GRPO formulas, elementwise in float64, for one sample with scalar sigmas."""
     x, v, x_next = x.double(), v.double(), x_next.double()
     dt = s_next - s
     std = math.sqrt(s / (1 - (sigma_max if s == 1 else s))) * a

@@ -117,6 +117,7 @@ def test_validation_images_tolerate_no_outputs(tmp_path):
     trainer = SimpleNamespace(sanity_checking=False, state=SimpleNamespace(fn="fit"), global_step=1, loggers=[])
     trainer.log_dir, trainer.default_root_dir = str(tmp_path), str(tmp_path)
     writer = ValidationImages()
+    writer.setup(trainer, None, "fit")
     writer.on_validation_batch_end(trainer, None, None, None, 0)
     writer.on_validation_batch_end(trainer, None, {"loss": torch.zeros(())}, None, 0)
     assert writer.written == [] and not (tmp_path / "images").exists()

@@ -126,11 +126,16 @@ class RunSummary(pl.Callback):
         self.window, self.curve = window, curve
         self.table: Any = None
         self.curve_path: Path | None = None
+        self.log_dir = Path(".")  # the logger's version folder, set in setup()
         self._seen: Series = {}
         self._start: tuple[float, int] | None = None
         self._end: tuple[float, int] | None = None
 
     # ------------------------------------------------------------------ collecting
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Here, on every rank: trainer.log_dir is a collective (a broadcast), never to be read on rank 0 alone.
+        self.log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._seen = (time.perf_counter(), trainer.global_step), {}
 
@@ -162,7 +167,7 @@ class RunSummary(pl.Callback):
         # Validation by the step whose weights it scored (the x of images/val_step<N>.png).
         series[VAL_KEY] = self._seen.get(VAL_KEY, [])
         train, val = series.get(TRAIN_KEY, []), series[VAL_KEY]
-        log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        log_dir = self.log_dir
         if self.curve and (train or val):
             image = reward_curve(train, val)
             log_dir.mkdir(parents=True, exist_ok=True)

@@ -167,12 +167,12 @@ class ValidationImages(pl.Callback):
         if max_images < 1 or tile < 16 or columns < 1:
             raise ValueError(f"need max_images >= 1, tile >= 16 and columns >= 1, got {max_images}, {tile}, {columns}")
         self.max_images, self.tile, self.columns = max_images, tile, columns
+        self.folder = Path("images")  # <log_dir>/images, set in setup()
         self.written: list[Path] = []
 
-    @staticmethod
-    def folder(trainer: pl.Trainer) -> Path:
-        """Where the grids go: ``<log_dir>/images`` (the logger's version folder)."""
-        return Path(trainer.log_dir or trainer.default_root_dir) / "images"
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Here, on every rank: trainer.log_dir is a collective (a broadcast), never to be read on rank 0 alone.
+        self.folder = Path(trainer.log_dir or trainer.default_root_dir) / "images"
 
     @rank_zero_only
     def on_validation_batch_end(
@@ -197,7 +197,7 @@ class ValidationImages(pl.Callback):
             for p, r, w in zip(outputs["prompts"][:n], outputs["refined"][:n], rewards[:n], strict=True)
         ]
         sheet = captioned_grid(images, rows, self.tile, self.columns)
-        path = self.folder(trainer) / f"val_step{trainer.global_step}.png"
+        path = self.folder / f"val_step{trainer.global_step}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         sheet.save(path)
         self.written.append(path)
