@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from unirl_pl.callbacks.ledger import VersionMismatchError, WeightVersionLedger
-from unirl_pl.card import Card
-from unirl_pl.module import UniRLModule
-from unirl_pl.versioning import VersionLedger
+from unirl_pl.versioning import VersionLedger, check_staleness
 
 
 def _module(trained=("llm", "transformer")):
@@ -49,12 +47,8 @@ def test_ledger_fires_when_a_frozen_component_moves():
 def test_training_on_a_stale_record_is_an_error_or_logged():
     ledger = VersionLedger(["llm", "transformer"])
     ledger.bump("llm")
-    exp = SimpleNamespace(
-        records={"ar_decode": SimpleNamespace(version=0), "diffusion_denoise": SimpleNamespace(version=0)}
-    )
-    card = Card.unified(has_vae=False)
-    strict = SimpleNamespace(ledger=ledger, on_stale="error", card=card)
+    records = {"ar_decode": SimpleNamespace(version=0), "diffusion_denoise": SimpleNamespace(version=0)}
+    owners = {"ar_decode": "llm", "diffusion_denoise": "transformer"}
     with pytest.raises(RuntimeError, match="off-policy batch: the llm record was produced by version 0"):
-        UniRLModule._check_staleness(strict, exp)
-    lenient = SimpleNamespace(ledger=ledger, on_stale="log", card=card)
-    assert UniRLModule._check_staleness(lenient, exp) == {"llm": 1.0, "transformer": 0.0}
+        check_staleness(records, owners, ledger, "error")
+    assert check_staleness(records, owners, ledger, "log") == {"llm": 1.0, "transformer": 0.0}

@@ -9,7 +9,6 @@ loops are :mod:`unirl_pl.loops`, the conditioning :mod:`unirl_pl.conditioning`, 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -37,13 +36,13 @@ from unirl_pl.experts import CausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 from unirl_pl.losses import LossOutput
-from unirl_pl.method import AdvantageConfig, ExpertLoss, dit_loss, lm_loss
+from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
-from unirl_pl.method.grpo import weighted_loss
+from unirl_pl.method.policy import PolicyLosses
 from unirl_pl.metrics import loss_metrics, rollout_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
-from unirl_pl.versioning import VersionLedger
+from unirl_pl.versioning import VersionLedger, check_staleness
 
 
 def _default_llm_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -148,6 +147,7 @@ class UniRLModule(pl.LightningModule):
         self.diffusion_denoise: DiffusionDenoise | None = None
         self.conditioning = Conditioner(generator, self.ledger)
         self.source: ExperienceSource | None = None
+        self.policy: PolicyLosses | None = None
 
     # ------------------------------------------------------------------ building
     def experts(self) -> dict[str, Any]:
@@ -186,6 +186,8 @@ class UniRLModule(pl.LightningModule):
             batch_std=self._global_std,
             drop_nonfinite=self.nonfinite_rewards == "drop",
         )
+        loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
+        self.policy = PolicyLosses(self.card, loops, self.experts(), self.loss_settings)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         opts = []
@@ -214,60 +216,20 @@ class UniRLModule(pl.LightningModule):
             return self.source.collect(batch, self.device)
         return batch
 
-    def _loops_with_records(self, name: str, exp: Experience) -> list[str]:
-        return [loop for loop in self.card.loops_of(name) if loop in exp.records]
-
-    def _loop(self, loop: str) -> ARDecode | DiffusionDenoise:
-        found = self.ar_decode if loop == "ar_decode" else self.diffusion_denoise
-        assert found is not None, f"loop {loop!r} is not built"
-        return found
-
     @torch.no_grad()
     def recompute_logprobs(self, exp: Experience) -> dict[str, tuple[Tensor, Tensor, Tensor]]:
         """(recomputed, behavior, mask) log-probs of each trained component's record under the current weights."""
-        out = {}
-        for name in self.trained:
-            for loop in self._loops_with_records(name, exp):
-                record = exp.records[loop]
-                mask = getattr(record, "gen_mask", None)
-                mask = torch.ones_like(record.old_logp, dtype=torch.bool) if mask is None else mask
-                out[name] = (self._loop(loop).score(record), record.old_logp, mask)
-        return out
+        assert self.policy is not None, "configure_model() builds the losses"
+        return self.policy.recompute(exp, self.trained)
 
     # ------------------------------------------------------------------ training
     def _loss(self, name: str, exp: Experience) -> LossOutput | None:
-        expert = self.experts()[name]
-        outputs = []
-        for loop in self._loops_with_records(name, exp):
-            args = (
-                self._loop(loop),
-                exp.records[loop],
-                exp.advantages[loop],
-                self.losses[name],
-                expert.adapter_disabled,
-            )
-            if loop == "diffusion_denoise":
-                # Backward per denoising step: peak memory holds one step's graph, not the whole window's.
-                outputs.append(dit_loss(*args, backward=self.manual_backward))
-            else:
-                outputs.append(lm_loss(*args))
-        # One expert per loop on the unified card; a mixture-of-transformers card sums its loops' losses.
-        if not outputs:
-            return None
-        return outputs[0] if len(outputs) == 1 else _sum_losses(outputs)
+        assert self.policy is not None, "configure_model() builds the losses"
+        return self.policy.loss(name, exp, backward=self.manual_backward)
 
     def _check_staleness(self, exp: Experience) -> dict[str, float]:
-        staleness = {}
-        for loop, record in exp.records.items():
-            name = self.card.owner(loop)
-            lag = self.ledger[name] - record.version
-            staleness[name] = float(lag)
-            if lag and self.on_stale == "error":
-                raise RuntimeError(
-                    f"off-policy batch: the {name} record was produced by version {record.version} but the "
-                    f"weights are at version {self.ledger[name]} (set model.on_stale=log to allow stale data)"
-                )
-        return staleness
+        owners = {loop: self.card.owner(loop) for loop in exp.records}
+        return check_staleness(exp.records, owners, self.ledger, self.on_stale)
 
     def _grad_norm(self, name: str) -> Tensor:
         grads = [p.grad for p in self.experts()[name].parameters() if p.grad is not None]
@@ -359,22 +321,16 @@ class UniRLModule(pl.LightningModule):
         """
         if self._trainer is None:
             return
-        logprobs = {}
-        for name, out in outputs.items():
-            (loop,) = self._loops_with_records(name, exp)[:1] or [None]
-            if out.logp is None or loop is None:
-                continue
-            record = exp.records[loop]
-            mask = getattr(record, "gen_mask", None)
-            mask = torch.ones_like(record.old_logp, dtype=torch.bool) if mask is None else mask
-            logprobs[name] = (out.logp, record.old_logp, mask)
+        assert self.policy is not None
+        logprobs = self.policy.logprobs(exp, outputs)
         for callback in self.trainer.callbacks:
             hook = getattr(callback, "on_policy_logprobs", None)
             if hook is not None:
                 hook(self.trainer, self, exp, logprobs)
 
     def _token_weight(self, name: str, exp: Experience) -> float:
-        if "ar_decode" not in self._loops_with_records(name, exp):
+        assert self.policy is not None
+        if "ar_decode" not in self.policy.loops_with_records(name, exp):
             return 1.0
         strategy = self._trainer.strategy if self._trainer is not None else None
         return token_loss_weight(exp.records["ar_decode"].gen_mask, strategy)
@@ -445,10 +401,3 @@ class UniRLModule(pl.LightningModule):
         if "unirl_rng" in checkpoint:
             set_rng_states(checkpoint["unirl_rng"])
         refill_trimmed(checkpoint, self)
-
-
-def _sum_losses(outputs: list[LossOutput]) -> LossOutput:
-    """One expert trained by several loops: the losses add, the statistics are the loops' means."""
-    merged = weighted_loss([(1.0 / len(outputs), o) for o in outputs])
-    n = float(len(outputs))
-    return replace(merged, loss=sum(o.loss for o in outputs), pg_loss=merged.pg_loss * n, kl=merged.kl * n)

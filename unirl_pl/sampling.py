@@ -1,7 +1,8 @@
 """Flow-matching samplers: the ODE Euler step, the Flow-GRPO SDE step with its Gaussian log-prob, schedules.
 
 Everything here is a pure function of tensors so the same code serves the rollout (no grad), the
-training recompute (grad) and the C2 gate; the formulas are those of docs/architecture.md's sampling math, checked in float64 to 1e-6.
+training recompute (grad) and the C2 gate; the formulas are those of docs/architecture.md (sampling
+math), checked against float64 to 1e-6.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,6 +40,27 @@ class VersionLedger:
         if unknown:
             raise KeyError(f"checkpoint has versions for unknown components {sorted(unknown)}")
         self._versions.update({k: int(v) for k, v in versions.items()})
+
+
+def check_staleness(
+    records: dict[str, Any], owners: dict[str, str], ledger: VersionLedger, on_stale: str
+) -> dict[str, float]:
+    """Versions each record lags behind its owner's current weights, by owner.
+
+    On-policy training (``on_stale="error"``) refuses a record produced by an older version than the one
+    about to be updated; ``"log"`` only reports the lag.
+    """
+    staleness = {}
+    for loop, record in records.items():
+        name = owners[loop]
+        lag = ledger[name] - record.version
+        staleness[name] = float(lag)
+        if lag and on_stale == "error":
+            raise RuntimeError(
+                f"off-policy batch: the {name} record was produced by version {record.version} but the "
+                f"weights are at version {ledger[name]} (set model.on_stale=log to allow stale data)"
+            )
+    return staleness
 
 
 class FeatureCache:

@@ -179,10 +179,12 @@ class RunSummary(pl.Callback):
         if isinstance(bar, RichProgressBar):
             bar.teardown(trainer, pl_module, "fit")  # stop the live bar first: the table goes below it
         from rich import get_console
+        from rich.console import Console
 
         console = get_console()
-        # A log file is 80 columns to rich; paths read better unbroken there.
-        console.print(self.table, width=None if console.is_terminal else max(console.width, 132))
+        if not console.is_terminal:  # a log file is 80 columns to rich; paths read better unbroken there
+            console = Console(file=console.file, width=max(console.width, 132), no_color=True)
+        console.print(self.table)
 
     def _table(self, trainer: pl.Trainer, series: Series, path: Path | None) -> Any:
         from rich.table import Table
@@ -218,8 +220,8 @@ class RunSummary(pl.Callback):
             for label, value in saved.items():
                 if value and (label == "best" or value != saved["best"]):
                     table.add_row(f"checkpoint ({label})", value)
-            if not (cb.last_model_path or cb.best_model_path) and cb.dirpath:
-                table.add_row("checkpoints", str(cb.dirpath))
+            if not (cb.last_model_path or cb.best_model_path):
+                table.add_row("checkpoints", f"none saved (folder {cb.dirpath})")
         images = [cb for cb in trainer.callbacks if isinstance(cb, ValidationImages) and cb.written]
         if images:
             table.add_row("validation images", str(images[0].written[-1].parent))
