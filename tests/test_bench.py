@@ -42,3 +42,4 @@ def test_bench_reports_every_phase_and_a_finite_ratio():
     # The floor covers every phase it has a counterpart for: a zero would make that row's ratio meaningless.
     for phase in ("decode", "text_encode", "denoise", "reward", "lm_loss", "dit_loss", "dit_backward", "optimizer"):
         assert run_on.median("floor", phase) > 0, phase
+        assert run_on.median("project", phase) > 0, f"the bench no longer times the project's {phase!r}"

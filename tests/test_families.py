@@ -69,7 +69,10 @@ def _cpu(tmp_path: Path, family: str, pipeline: Path, refiner: str) -> list[str]
 def test_family_recipe_trains_two_steps_with_gates_green_and_predicts(tmp_path, refiner, family):
     pipeline = FAMILIES[family][0](tmp_path / "pipeline")
     recipe = str(ROOT / "recipes" / f"{family}.yaml")
-    cli = main(["fit", "--config", recipe, *_cpu(tmp_path, family, pipeline, refiner), "--trainer.max_steps=2"])
+    cpu = _cpu(tmp_path, family, pipeline, refiner)
+    cli = main(
+        ["fit", "--config", recipe, *cpu, "--trainer.max_steps=2", f"--trainer.callbacks.dirpath={tmp_path}/ckpt"]
+    )
     rows = read_metrics(cli)
     assert len(series(rows, "reward/mean")) == 2
     assert max(series(rows, "c2/llm_max_abs_diff")) <= 1e-5

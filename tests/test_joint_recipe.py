@@ -24,7 +24,8 @@ def _column(rows: list[dict[str, str]], key: str) -> list[float]:
 def test_default_recipe_runs_offline_and_its_reward_rises(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "unirl_pl", "fit", "--config", JOINT,
-           f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+           f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
+           f"--trainer.callbacks.dirpath={tmp_path / 'checkpoints'}"]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (path,) = glob.glob(str(tmp_path / "joint" / "version_*" / "metrics.csv"))

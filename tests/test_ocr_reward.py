@@ -36,7 +36,6 @@ def test_edit_distance_and_score():
 
 
 def test_ocr_reward_reads_rendered_text():
-    pytest.importorskip("rapidocr_onnxruntime")
     from unirl_pl.rewards import resolve_reward
 
     reward = resolve_reward("ocr", {"num_threads": 1})
@@ -53,7 +52,6 @@ def test_ocr_reward_reads_rendered_text():
 
 
 def test_ocr_reward_video_averages_frames():
-    pytest.importorskip("rapidocr_onnxruntime")
     from unirl_pl.rewards.ocr import OCRReward
 
     reward = OCRReward(num_threads=1, video_frames=2)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import read_metrics, run_cli
+from tests.helpers import TINY, read_metrics, run_cli
 from unirl_pl.checkpoint import TRIMMED_KEY, AtomicCheckpointIO
 
 N = 2
@@ -112,3 +112,19 @@ def test_resume_with_a_changed_run_identity_is_refused(tmp_path, change, key):
     with pytest.raises(ValueError, match=rf"(?s)Changed settings:.*{key}[^\n]*: checkpoint=.* now=") as err:
         run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, change, f"--ckpt_path={ckpt}", name="second")
     assert "resume" in str(err.value).lower() or "checkpoint" in str(err.value).lower()
+
+
+def test_the_shipped_recipe_checkpoints_last_and_resumes_from_it(tmp_path):
+    """`--ckpt_path last` continues the latest run from the recipe's fixed checkpoint folder."""
+    from unirl_pl.cli import main
+
+    common = [
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        *FAST,
+    ]
+    main(["fit", "--config", TINY, "--trainer.max_steps=2", *common])
+    assert (tmp_path / "ckpt" / "last.ckpt").is_file()
+    resumed = main(["fit", "--config", TINY, "--trainer.max_steps=3", *common, "--ckpt_path=last"])
+    assert resumed.trainer.global_step == 3
+    assert resumed.model.ledger["transformer"] == 3, "versions continue from the checkpoint"

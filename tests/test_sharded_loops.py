@@ -107,7 +107,7 @@ def _fit_main(tmp_path: Path, overlay: str, *extra: str) -> list[dict[str, str]]
         str(ROOT / "recipes" / overlay),
         "--trainer.max_steps=3",
         "--trainer.enable_model_summary=false",
-        "--trainer.enable_checkpointing=false",
+        f"--trainer.callbacks.dirpath={tmp_path / 'checkpoints'}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.val_check_interval=2",
         *extra,

@@ -488,6 +488,23 @@ class _Interleave(pl.Callback):
         self.mark = clock()
 
 
+def _loss_callers() -> list[Any]:
+    """The modules that call ``lm_loss`` and ``dit_loss`` by a name of their own."""
+    import importlib
+
+    found = []
+    for name in ("unirl_pl.method.policy", "unirl_pl.module"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "lm_loss") and hasattr(module, "dit_loss"):
+            found.append(module)
+    if not found:
+        raise RuntimeError("no module calls lm_loss/dit_loss by name: update unirl_pl.bench._loss_callers")
+    return found
+
+
 def _callbacks_without_progress_bars(recipe: str) -> list[Any]:
     with open(recipe) as f:
         config = yaml.safe_load(f) or {}
@@ -521,7 +538,6 @@ def _run_project(
 ) -> RunResult:
     # Anything a callback writes at fit end (RunSummary's reward curve) goes to ``root``, not the repository.
     import unirl_pl.method.experience as experience_mod
-    import unirl_pl.module as module_mod
     from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
     from unirl_pl.cli import main
 
@@ -580,8 +596,10 @@ def _run_project(
         patches.wrap(recorder, source.conditioning, "decode", "image_decode")
         patches.wrap(recorder, source, "reward", "reward")
         patches.wrap(recorder, experience_mod, "compute_advantages", "advantages")
-        patches.wrap(recorder, module_mod, "lm_loss", "lm_loss")
-        patches.wrap(recorder, module_mod, "dit_loss", "dit_loss")
+        # The losses are called by name from the module that imported them (the policy, or the LightningModule).
+        for caller in _loss_callers():
+            patches.wrap(recorder, caller, "lm_loss", "lm_loss")
+            patches.wrap(recorder, caller, "dit_loss", "dit_loss")
         patches.wrap(
             recorder,
             model,

@@ -353,13 +353,14 @@ class UniRLModule(pl.LightningModule):
         )
         return refined, self.conditioning.decode(latents)
 
-    def validation_step(self, batch: PromptBatch, batch_idx: int) -> None:
+    def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
         refined, images = self.serve(batch)
         # Shard padding ran (so every rank made the same forwards) but is not scored.
         n = batch.real
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
         # A batch of padding only still logs (weight 0): every rank must log the same keys to sync them.
         means = {name: torch.zeros(()) for name in ["mean", *self.reward_fn.terms]}
+        total = torch.zeros(0)
         if n:
             total, parts = self.reward_fn(prompts, refined, images)
             means = {"mean": total.nanmean()} | {name: values.nanmean() for name, values in parts.items()}
@@ -372,6 +373,12 @@ class UniRLModule(pl.LightningModule):
                 # categories. Keys differ between ranks, so no sync: under DDP this is rank 0's shard.
                 for key, (mean, count) in breakdown(prompts, images).items():
                     self.log(f"val/{name}/{key}", mean, batch_size=count, sync_dist=False)
+        # The first batch's pictures, for callbacks that show them (ValidationImages).
+        return (
+            {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
+            if not batch_idx
+            else None
+        )
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
         refined, images = self.serve(batch)
