@@ -505,11 +505,14 @@ def _loss_callers() -> list[Any]:
     return found
 
 
-def _callbacks_without_progress_bars(recipe: str) -> list[Any]:
+def _step_callbacks(recipe: str) -> list[Any]:
+    """The recipe's callbacks less the progress bar (off) and ``ModelCheckpoint`` (periodic file I/O, not
+    step compute; it would also write into the recipe's run folder)."""
     with open(recipe) as f:
         config = yaml.safe_load(f) or {}
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
-    return [c for c in callbacks if "ProgressBar" not in str(c.get("class_path", c) if isinstance(c, dict) else c)]
+    dropped = ("ProgressBar", "ModelCheckpoint")
+    return [c for c in callbacks if not str(c.get("class_path", "") if isinstance(c, dict) else c).endswith(dropped)]
 
 
 def run_project(
@@ -551,7 +554,7 @@ def _run_project(
         "--trainer.limit_val_batches=0",
         "--trainer.num_sanity_val_steps=0",
         f"--trainer.max_steps={warmup + repeats}",
-        "--trainer.callbacks=" + json.dumps(_callbacks_without_progress_bars(recipe)),
+        "--trainer.callbacks=" + json.dumps(_step_callbacks(recipe)),
     ]
     if prompts_per_step is not None:
         args.append(f"--data.prompts_per_step={prompts_per_step}")

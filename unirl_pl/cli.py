@@ -1,5 +1,8 @@
 """``python -m unirl_pl {fit,validate,predict}``: one LightningCLI for every recipe.
 
+``python -m unirl_pl ablate ...`` is dispatched to :mod:`unirl_pl.ablate` (modes x seeds, one
+subprocess per run) before LightningCLI parses anything.
+
 A recipe names its LightningModule and DataModule by ``class_path`` (the RL trainer
 :class:`unirl_pl.module.UniRLModule` with :class:`unirl_pl.data.PromptDataModule`, or a pretraining
 module), so RL and pretraining run through the same entry point; dotted overrides may skip
@@ -180,6 +183,12 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     exits with status 2; errors while the subcommand runs propagate. ``run=False`` only parses and
     instantiates, and raises every error as is.
     """
+    given = sys.argv[1:] if args is None else args
+    if given and given[0] == "ablate":
+        # Not a LightningCLI subcommand: runs `fit`/`validate` per mode and seed in subprocesses.
+        from unirl_pl.ablate import main as ablate
+
+        raise SystemExit(ablate(list(given[1:])))
     default_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
