@@ -274,6 +274,7 @@ class UniRLModule(pl.LightningModule):
         next(iter(opts.values())).step()
 
     def training_step(self, exp: Experience, batch_idx: int) -> None:
+        step = self.trainer.global_step  # the row of this RL step in metrics.csv, as the gates log it
         staleness = self._check_staleness(exp)
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
@@ -304,7 +305,7 @@ class UniRLModule(pl.LightningModule):
         versions = self.ledger.as_dict()
         metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate()))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(exp.prompts), sync_dist=True)
+        self._log_step(metrics, step)
         self.log(
             "reward/mean",
             exp.rewards.nanmean(),
@@ -313,6 +314,21 @@ class UniRLModule(pl.LightningModule):
             batch_size=len(exp.prompts),
             sync_dist=True,
         )
+
+    def _log_step(self, metrics: dict[str, Tensor | float], step: int) -> None:
+        """The step's metrics straight to the loggers, averaged over ranks in one all-reduce.
+
+        ``self.log_dict`` of ~35 keys costs ~10 ms a step (per-key bookkeeping); nothing monitors these
+        keys, so they skip it. ``reward/mean`` still goes through ``self.log`` for the progress bar.
+        """
+        values = torch.stack(
+            [torch.as_tensor(v, dtype=torch.float32).detach().reshape(()).cpu() for v in metrics.values()]
+        )
+        if self.trainer.world_size > 1:
+            values = self.trainer.strategy.reduce(values.to(self.device), reduce_op="mean").cpu()
+        row = dict(zip(metrics, values.tolist(), strict=True))
+        for logger in self.trainer.loggers:
+            logger.log_metrics(row, step=step)
 
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
         """Hand the first training forward's log-probs (weights not yet stepped) to callbacks that check them.

@@ -1,4 +1,4 @@
-"""The weight-version ledger gate: versions logged every step, equal on all ranks, frozen ones never moving."""
+"""The weight-version ledger gate: versions equal on all ranks, frozen ones never moving (the module logs them)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ class VersionMismatchError(RuntimeError):
 
 
 class WeightVersionLedger(pl.Callback):
-    """Log ``version/<component>`` after each step and enforce the ledger's invariants.
+    """Enforce the ledger's invariants after each step (the module logs ``version/<component>``).
 
     Every rank must hold the same version of every component (a rank that skipped or repeated an
     optimizer step would silently train a different model), and components the mode does not train
@@ -37,4 +37,3 @@ class WeightVersionLedger(pl.Callback):
             gathered = trainer.strategy.all_gather(local)
             if not bool((gathered == gathered[0]).all()):
                 raise VersionMismatchError(f"ranks disagree on versions {list(versions)}: {gathered.tolist()}")
-        pl_module.log_dict({f"version/{n}": float(v) for n, v in versions.items()}, batch_size=1)

@@ -65,19 +65,3 @@ def freeze(module: torch.nn.Module) -> torch.nn.Module:
     module.requires_grad_(False)
     module.eval()
     return module
-
-
-@contextmanager
-def preserved_requires_grad(module: torch.nn.Module) -> Iterator[None]:
-    """Restore every parameter's ``requires_grad`` flag on exit.
-
-    peft's adapter toggles set the flag as a side effect (disabling turns LoRA grads off, re-enabling
-    turns the *active* adapter's grads on), which would silently unfreeze an expert that a training
-    mode had frozen. Wrapping the toggle in this context keeps the caller's choice.
-    """
-    flags = [(param, param.requires_grad) for param in module.parameters()]
-    try:
-        yield
-    finally:
-        for param, flag in flags:
-            param.requires_grad_(flag)

@@ -3,8 +3,8 @@ use before that, keep frozen models in eval mode, and attach, bypass and validat
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -12,7 +12,7 @@ import torch
 from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
-from unirl_pl.experts._common import check_positive, preserved_requires_grad, resolve_dtype
+from unirl_pl.experts._common import check_positive, resolve_dtype
 from unirl_pl.manifest import verify_assets
 
 # Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference policy;
@@ -30,34 +30,43 @@ def check_lora_args(lora_rank: int, lora_alpha: float, lora_target_modules: list
         raise ValueError("lora_target_modules must name at least one module (or be null for the default)")
 
 
+def lora_layers(model: torch.nn.Module) -> list[BaseTunerLayer]:
+    """The LoRA layers of ``model``, found once and cached on it (the adapter toggle runs every step)."""
+    cached = model.__dict__.get("_unirl_lora_layers")
+    if cached is None:
+        cached = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        model.__dict__["_unirl_lora_layers"] = cached
+    return cached
+
+
 def adapters_disabled(model: torch.nn.Module) -> bool:
     """Whether some LoRA layer of ``model`` is currently bypassed (inside an ``adapter_disabled()``)."""
-    return any(isinstance(m, BaseTunerLayer) and m.disable_adapters for m in model.modules())
+    return any(layer.disable_adapters for layer in lora_layers(model))
 
 
 @contextmanager
-def diffusers_adapter_off(model: Any) -> Iterator[None]:
-    """Disable the adapters a diffusers model got from ``add_adapter``; re-enable them on exit."""
-    model.disable_adapters()
+def adapter_bypassed(model: torch.nn.Module) -> Iterator[None]:
+    """Context in which ``model`` runs without its LoRA adapter, i.e. is the frozen reference policy.
+
+    Only the LoRA layers are switched (peft's model-level toggles walk every module and check versions on
+    each call, milliseconds per SDE step). Every ``requires_grad`` flag of those layers is the same
+    afterwards (peft's toggle sets them as a side effect); nested use is a no-op inside.
+    """
+    layers = lora_layers(model)
+    if not layers or any(layer.disable_adapters for layer in layers):  # nested: the outer context re-enables
+        yield
+        return
+    flags = [(param, param.requires_grad) for layer in layers for param in layer.parameters()]
+    for layer in layers:
+        layer.enable_adapters(False)
     try:
         yield
     finally:
-        model.enable_adapters()
-
-
-@contextmanager
-def adapter_bypassed(
-    model: torch.nn.Module, bypass: Callable[[Any], AbstractContextManager[Any]] = diffusers_adapter_off
-) -> Iterator[None]:
-    """Context in which ``model`` runs without its LoRA adapter (``bypass(model)``, by default the diffusers
-    toggle), i.e. is the frozen reference policy. Every parameter's ``requires_grad`` is the same
-    afterwards (peft's toggles set it as a side effect); nested use is a no-op inside."""
-    with ExitStack() as stack:
-        if not adapters_disabled(model):  # nested use: the outer context re-enables
-            # Exits run in reverse: re-enable first (peft turns LoRA grads on), then restore the flags.
-            stack.enter_context(preserved_requires_grad(model))
-            stack.enter_context(bypass(model))
-        yield
+        # Re-enable first (peft turns the active adapter's grads on), then restore the flags.
+        for layer in layers:
+            layer.enable_adapters(True)
+        for param, flag in flags:
+            param.requires_grad_(flag)
 
 
 def attach_diffusers_lora(model: Any, config: LoraConfig) -> Any:
@@ -188,13 +197,9 @@ class LoRAExpert(Expert):
         """Freeze ``model``, add the adapter in place and return it (diffusers ``add_adapter``)."""
         return attach_diffusers_lora(model, self.lora_config())
 
-    def _bypass_adapter(self, model: Any) -> AbstractContextManager[Any]:
-        """Context that bypasses the adapter of ``model`` (diffusers: disable, re-enable on exit)."""
-        return diffusers_adapter_off(model)
-
     @contextmanager
     def adapter_disabled(self) -> Iterator[None]:
         """Context in which the model is the frozen reference policy (LoRA bypassed). Every parameter's
         ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
-        with adapter_bypassed(self._require_built(), self._bypass_adapter):
+        with adapter_bypassed(self._require_built()):
             yield

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from contextlib import AbstractContextManager
 
 import torch
 from peft import PeftModel, get_peft_model, set_peft_model_state_dict
@@ -155,9 +154,6 @@ class CausalLMExpert(LoRAExpert):
             # peft still calls a transformers helper that transformers 5 deprecated; not actionable here.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
             return get_peft_model(model, self.lora_config())
-
-    def _bypass_adapter(self, model: PeftModel) -> AbstractContextManager[None]:
-        return model.disable_adapter()
 
     def forward(
         self,

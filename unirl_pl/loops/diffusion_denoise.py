@@ -155,11 +155,18 @@ class DiffusionDenoise:
     def step_logprob(self, record: DiTRecord, step: int, chunk: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
         """Re-score step ``step`` of the samples in ``chunk``: (log_prob, mean, std) under current weights."""
         a, b = chunk
-        x = record.prev[a:b, step]
+        # Contiguous copies: strided slices of the (N, S, ...) record cost the forward and its backward.
+        x = record.prev[a:b, step].contiguous()
         s, s_next, sigma_max = record.step_sigmas(step, chunk)
         v = self.velocity(x, s, cond_rows(record.cond, slice(a, b)), record.uncond)
         _, logp, mean, std = flow_sde_step_with_logprob(
-            x, v, s, s_next, sigma_max=sigma_max, noise_level=record.noise_level, prev_sample=record.sample[a:b, step]
+            x,
+            v,
+            s,
+            s_next,
+            sigma_max=sigma_max,
+            noise_level=record.noise_level,
+            prev_sample=record.sample[a:b, step].contiguous(),
         )
         return logp, mean, std
 
