@@ -1,6 +1,6 @@
 """Interleave parity: a request must come out the same whether it ran alone or batched with others.
 
-The rollout engine batches requests (all samples of a step advance together, each on its own
+The loops batch requests (all samples of a step advance together, each on its own
 schedule) or runs them one at a time. Each sample draws its randomness from its own seeded generator,
 so the two must agree: tokens exactly, latents, images and log-probs to kernel noise. Randomness
 shared across requests (a module-global RNG), noise that depends on batch position, or state leaking
