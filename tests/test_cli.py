@@ -132,3 +132,12 @@ def test_empty_prompt_file(no_build, capsys, tmp_path):
 
 def test_fsdp1_is_refused_with_a_pointer_to_fsdp2(no_build, capsys):
     _expect_error(capsys, ["--trainer.strategy=fsdp"], "ModelParallelStrategy")
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  init_args:\n    mode: [joint\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", str(bad)])
+    assert stop.value.code == 2
+    assert f"{bad}: line 4, column 1: not valid YAML" in capsys.readouterr().err

@@ -176,6 +176,27 @@ def default_threads() -> None:
         torch.set_num_threads(1)
 
 
+def check_recipe_files(args: list[str]) -> None:
+    """Raise :class:`ConfigError` naming the file (and line) of a ``--config`` that is missing or not YAML.
+
+    jsonargparse reports a YAML syntax error against ``"<unicode string>"``, without the file.
+    """
+    import yaml
+
+    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    for path in paths:
+        try:
+            with open(path) as f:
+                yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"--config {path}: no such file") from None
+        except yaml.YAMLError as err:
+            where = getattr(err, "problem_mark", None)
+            line = f" line {where.line + 1}, column {where.column + 1}:" if where is not None else ""
+            raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', None) or err})") from None
+
+
 def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     """Run the CLI (``args`` as on the command line; None reads ``sys.argv``).
 
@@ -201,6 +222,8 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
         parser_kwargs["exit_on_error"] = False
         parser_kwargs.update({name: {"exit_on_error": False} for name in UniRLCLI.subcommands()})
     try:
+        if friendly:
+            check_recipe_files(given)
         return UniRLCLI(
             pl.LightningModule,
             pl.LightningDataModule,
