@@ -358,6 +358,7 @@ def test_same_seed_gives_a_bit_identical_rollout_twice_in_one_process(fresh_fp):
     assert fingerprint(collect(model, dm, request_ids=[4, 7])) != fresh_fp
 
 
+@pytest.mark.integration
 def test_same_seed_gives_a_bit_identical_rollout_in_a_fresh_process(fresh_fp):
     code = "from tests.test_gates import fresh_fingerprint; print(fresh_fingerprint())"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

@@ -28,6 +28,7 @@ def _rise(values, n=10):
 COMMON = ("--trainer.limit_val_batches=0", "--model.reward_args=null")
 
 
+@pytest.mark.slow
 def test_prompt_only_learns_a_refiner_reward_and_keeps_the_dit_frozen(tmp_path):
     cli = run_cli(
         tmp_path,
@@ -45,6 +46,7 @@ def test_prompt_only_learns_a_refiner_reward_and_keeps_the_dit_frozen(tmp_path):
     assert "transformer/pg_loss" not in set().union(*rows)
 
 
+@pytest.mark.slow
 def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, monkeypatch):
     def never(*args, **kwargs):
         raise AssertionError("generator_only ran the LM")
@@ -66,6 +68,7 @@ def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, m
     assert set(series(rows, "version/llm")) == {0.0}
 
 
+@pytest.mark.slow
 def test_generator_update_is_a_real_policy_gradient_step(tmp_path):
     """Flipping the reward's sign flips the direction the generator moves the reward."""
     up = run_cli(
