@@ -33,14 +33,6 @@ LLM_LOSS = {"clip_eps": 0.3, "beta": 0.5}
 DIT_LOSS = {"clip_eps": 1e-4, "beta": 0.004}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def built():
     llm = f"--model.llm_loss={{clip_eps: {LLM_LOSS['clip_eps']}, beta: {LLM_LOSS['beta']}, grad_clip: 1.0}}"
