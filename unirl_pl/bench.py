@@ -541,6 +541,7 @@ def _run_project(
 ) -> RunResult:
     # Anything a callback writes at fit end (RunSummary's reward curve) goes to ``root``, not the repository.
     import unirl_pl.method.experience as experience_mod
+    import unirl_pl.module as module_mod
     from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
     from unirl_pl.cli import main
 
@@ -592,6 +593,7 @@ def _run_project(
         patches.wrap(recorder, model, "training_step", "train_glue")
         patches.wrap(recorder, model, "log", "logging")
         patches.wrap(recorder, model, "log_dict", "logging")
+        patches.wrap(recorder, module_mod, "log_step", "logging")
         if source.ar_decode is not None:
             patches.wrap(recorder, source.ar_decode, "sample", "decode")
         patches.wrap(recorder, source.conditioning, "encode", "text_encode")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import Tensor
 
 from unirl_pl.losses import LossOutput
@@ -43,3 +46,17 @@ def rollout_metrics(
     if exp.fallback_frac is not None:
         metrics["llm/fallback_frac"] = exp.fallback_frac
     return metrics
+
+
+def log_step(trainer: Any, metrics: dict[str, Tensor | float], step: int, device: torch.device) -> None:
+    """A step's metrics straight to the trainer's loggers, averaged over ranks in one all-reduce.
+
+    ``LightningModule.log_dict`` of ~35 keys costs ~10 ms a step (per-key bookkeeping); nothing monitors
+    these keys, so they skip it (``reward/mean`` still goes through ``self.log`` for the progress bar).
+    """
+    values = torch.stack([torch.as_tensor(v, dtype=torch.float32).detach().reshape(()).cpu() for v in metrics.values()])
+    if trainer.world_size > 1:
+        values = trainer.strategy.reduce(values.to(device), reduce_op="mean").cpu()
+    row = dict(zip(metrics, values.tolist(), strict=True))
+    for logger in trainer.loggers:
+        logger.log_metrics(row, step=step)

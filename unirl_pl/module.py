@@ -18,6 +18,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
 from unirl_pl.checkpoint import (
     IDENTITY_KEY,
@@ -32,6 +33,7 @@ from unirl_pl.checkpoint import (
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import agree_max, shard_experts, token_loss_weight
+from unirl_pl.evaluation import serve, validation_scores
 from unirl_pl.experts import CausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
@@ -39,7 +41,7 @@ from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.method.policy import PolicyLosses
-from unirl_pl.metrics import loss_metrics, rollout_metrics
+from unirl_pl.metrics import log_step, loss_metrics, rollout_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.versioning import VersionLedger, check_staleness
@@ -305,7 +307,7 @@ class UniRLModule(pl.LightningModule):
         versions = self.ledger.as_dict()
         metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate()))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
-        self._log_step(metrics, step)
+        log_step(self.trainer, metrics, step, self.device)
         self.log(
             "reward/mean",
             exp.rewards.nanmean(),
@@ -315,34 +317,11 @@ class UniRLModule(pl.LightningModule):
             sync_dist=True,
         )
 
-    def _log_step(self, metrics: dict[str, Tensor | float], step: int) -> None:
-        """The step's metrics straight to the loggers, averaged over ranks in one all-reduce.
-
-        ``self.log_dict`` of ~35 keys costs ~10 ms a step (per-key bookkeeping); nothing monitors these
-        keys, so they skip it. ``reward/mean`` still goes through ``self.log`` for the progress bar.
-        """
-        values = torch.stack(
-            [torch.as_tensor(v, dtype=torch.float32).detach().reshape(()).cpu() for v in metrics.values()]
-        )
-        if self.trainer.world_size > 1:
-            values = self.trainer.strategy.reduce(values.to(self.device), reduce_op="mean").cpu()
-        row = dict(zip(metrics, values.tolist(), strict=True))
-        for logger in self.trainer.loggers:
-            logger.log_metrics(row, step=step)
-
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
-        """Hand the first training forward's log-probs (weights not yet stepped) to callbacks that check them.
-
-        This is the C2 identity's input: the recompute the loss already paid for, not a forward of its own.
-        """
-        if self._trainer is None:
-            return
-        assert self.policy is not None
-        logprobs = self.policy.logprobs(exp, outputs)
-        for callback in self.trainer.callbacks:
-            hook = getattr(callback, "on_policy_logprobs", None)
-            if hook is not None:
-                hook(self.trainer, self, exp, logprobs)
+        """Hand the first training forward's log-probs (weights not yet stepped) to the gates that check them:
+        the C2 identity's input is the recompute the loss already paid for, not a forward of its own."""
+        if self._trainer is not None and self.policy is not None:
+            notify_policy_logprobs(self.trainer, self, exp, self.policy.logprobs(exp, outputs))
 
     def _token_weight(self, name: str, exp: Experience) -> float:
         assert self.policy is not None
@@ -355,46 +334,23 @@ class UniRLModule(pl.LightningModule):
     def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
         """Refined prompts and pixels on the deterministic serve path (greedy tokens, ODE)."""
         assert self.diffusion_denoise is not None, "configure_model() builds the loops"
-        n = len(batch.prompts)
-        refined = list(batch.prompts)
-        if self.ar_decode is not None:
-            refined, _ = self.ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed)
-        latents, _ = self.diffusion_denoise.sample(
-            self.conditioning.encode(refined),
-            batch.request_ids,
-            [0] * n,
-            "serve",
-            seed=batch.seed,
-            uncond=self.conditioning.uncond(self.rollout_config.guided),
-        )
-        return refined, self.conditioning.decode(latents)
+        guided = self.rollout_config.guided
+        return serve(self.ar_decode, self.diffusion_denoise, self.conditioning, batch, guided)
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
         refined, images = self.serve(batch)
-        # Shard padding ran (so every rank made the same forwards) but is not scored.
-        n = batch.real
+        n = batch.real  # shard padding ran (every rank made the same forwards) but is not scored
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        # A batch of padding only still logs (weight 0): every rank must log the same keys to sync them.
-        means = {name: torch.zeros(()) for name in ["mean", *self.reward_fn.terms]}
-        total = torch.zeros(0)
-        if n:
-            total, parts = self.reward_fn(prompts, refined, images)
-            means = {"mean": total.nanmean()} | {name: values.nanmean() for name, values in parts.items()}
+        means, breakdown, total = validation_scores(self.reward_fn, prompts, refined, images)
         for name, value in means.items():
             self.log(f"val/reward_{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "mean")
-        for name in self.reward_fn.terms:
-            breakdown = getattr(self.reward_fn.terms[name], "breakdown", None)
-            if breakdown is not None and n:
-                # Weighted by each key's count, so the epoch mean is exact however batches mix
-                # categories. Keys differ between ranks, so no sync: under DDP this is rank 0's shard.
-                for key, (mean, count) in breakdown(prompts, images).items():
-                    self.log(f"val/{name}/{key}", mean, batch_size=count, sync_dist=False)
+        # Weighted by each key's count, so the epoch mean is exact however batches mix categories. Keys
+        # differ between ranks, so no sync: under DDP this is rank 0's shard.
+        for key, mean, count in breakdown:
+            self.log(f"val/{key}", mean, batch_size=count, sync_dist=False)
         # The first batch's pictures, for callbacks that show them (ValidationImages).
-        return (
-            {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
-            if not batch_idx
-            else None
-        )
+        pictures = {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
+        return pictures if batch_idx == 0 else None
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
         refined, images = self.serve(batch)

@@ -48,3 +48,15 @@ def require(gate: pl.Callback, pl_module: pl.LightningModule, protocol: type) ->
             f"{type(gate).__name__} needs a module that offers {', '.join(missing)} ({protocol.__name__}); "
             f"{type(pl_module).__name__} does not"
         )
+
+
+def notify_policy_logprobs(trainer: pl.Trainer, pl_module: pl.LightningModule, exp: Any, logprobs: Any) -> None:
+    """Call ``on_policy_logprobs(trainer, pl_module, exp, logprobs)`` on every callback that has it.
+
+    The module calls this after its first training forward and before any optimizer step, with
+    ``{component: (recomputed, behavior, mask)}`` log-probs (the C2 gate's input).
+    """
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_policy_logprobs", None)
+        if hook is not None:
+            hook(trainer, pl_module, exp, logprobs)
