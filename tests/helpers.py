@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from unirl_pl.cli import main
@@ -44,3 +47,18 @@ def read_metrics(cli) -> list[dict[str, float]]:
 
 def series(rows: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in rows if key in r]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of a CLI subprocess: offline, one thread, this checkout importable."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_cli_subprocess(*args: str, cwd: Path = ROOT, timeout: int = 900) -> subprocess.CompletedProcess:
+    """``python -m unirl_pl <args>`` in a fresh process (Lightning re-executes it per rank); asserts exit 0."""
+    cmd = [sys.executable, "-m", "unirl_pl", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc

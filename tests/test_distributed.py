@@ -7,15 +7,12 @@ Multi-process runs launch the CLI as a subprocess because Lightning re-executes 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, run_cli_subprocess
 
 pytestmark = pytest.mark.integration
 
@@ -39,10 +36,7 @@ STEP = [
 
 def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
     ckpts = tmp_path / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "unirl_pl",
+    run_cli_subprocess(
         "fit",
         "--config",
         TINY,
@@ -53,10 +47,8 @@ def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={ckpts}",
         "--trainer.callbacks.every_n_train_steps=1",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        timeout=600,
+    )
     (ckpt,) = ckpts.glob("*.ckpt")
     state = torch.load(ckpt, weights_only=True)
     assert state["unirl_versions"]["llm"] == 1 and state["unirl_versions"]["transformer"] == 1
@@ -122,8 +114,8 @@ ADAM = [
 
 def _run_fsdp2(tmp_path: Path, name: str, *extra: str) -> Path:
     out = tmp_path / name
-    cmd = [
-        sys.executable, "-m", "unirl_pl", "fit", "--config", TINY, "--config", str(ROOT / "recipes" / "fsdp.yaml"),
+    run_cli_subprocess(
+        "fit", "--config", TINY, "--config", str(ROOT / "recipes" / "fsdp.yaml"),
         *STEP, "--trainer.max_steps=4", *ADAM, *extra,
         f"--trainer.default_root_dir={out}",
         "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger]",
@@ -131,10 +123,8 @@ def _run_fsdp2(tmp_path: Path, name: str, *extra: str) -> Path:
         f"--trainer.callbacks.dirpath={out}",
         "--trainer.callbacks.every_n_train_steps=2",
         "--trainer.callbacks.save_top_k=-1",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        timeout=600,
+    )  # fmt: skip
     return out
 
 

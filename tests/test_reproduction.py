@@ -7,29 +7,24 @@ DiT and text encoder ~4 minutes on one core.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, run_cli_subprocess
 
 pytestmark = pytest.mark.slow
 SHIPPED = ROOT / "unirl_pl" / "assets" / "shapes"
 
 
 def _pretrain(recipe: str, out: Path) -> None:
-    cmd = [
-        sys.executable, "-m", "unirl_pl", "fit", "--config", str(ROOT / "recipes" / "shapes" / recipe),
+    run_cli_subprocess(
+        "fit", "--config", str(ROOT / "recipes" / "shapes" / recipe),
         f"--model.init_args.export_dir={out}", f"--trainer.default_root_dir={out / 'logs'}",
         "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        timeout=1200,
+    )  # fmt: skip
 
 
 def _assert_same(exported: Path, shipped: Path) -> None:

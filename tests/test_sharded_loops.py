@@ -11,8 +11,6 @@ from __future__ import annotations
 import csv
 import datetime
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.helpers import JOINT, ROOT
+from tests.helpers import JOINT, ROOT, run_cli_subprocess
 
 pytestmark = pytest.mark.integration
 MAX_NEW_TOKENS = 6
@@ -96,10 +94,7 @@ def test_ranks_agree_on_decode_and_denoise_trip_counts(tmp_path):
 
 
 def _fit_main(tmp_path: Path, overlay: str, *extra: str) -> list[dict[str, str]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "unirl_pl",
+    run_cli_subprocess(
         "fit",
         "--config",
         JOINT,
@@ -111,10 +106,7 @@ def _fit_main(tmp_path: Path, overlay: str, *extra: str) -> list[dict[str, str]]
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.val_check_interval=2",
         *extra,
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    )
     (path,) = tmp_path.glob("joint/version_*/metrics.csv")
     with path.open() as f:
         return list(csv.DictReader(f))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import JOINT, ROOT, TINY, read_metrics, run_cli, series
+from tests.helpers import JOINT, ROOT, TINY, read_metrics, run_cli, series, subprocess_env
 from unirl_pl import cli as cli_module
 from unirl_pl.callbacks import RLProgressBar, RunSummary, ValidationImages
 from unirl_pl.cli import config_error_message, main
@@ -24,9 +24,7 @@ FAST = ("--model.rollout.num_steps=4", "--model.rollout.sde_window=[0,2]")
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return env
+    return subprocess_env()
 
 
 def _own_lines(text: str) -> list[str]:

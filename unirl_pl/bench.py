@@ -523,22 +523,15 @@ def run_project(
     repeats: int,
     warmup: int,
     overrides: Sequence[str] = (),
+    root: str | None = None,
 ) -> RunResult:
-    """Build the recipe through the CLI and fit ``warmup + repeats`` steps, each followed by a floor step."""
-    with tempfile.TemporaryDirectory(prefix="unirl_bench_") as root:
-        return _run_project(recipe, gates, prompts_per_step, samples_per_prompt, repeats, warmup, overrides, root)
+    """Build the recipe through the CLI and fit ``warmup + repeats`` steps, each followed by a floor step.
 
-
-def _run_project(
-    recipe: str,
-    gates: bool,
-    prompts_per_step: int | None,
-    samples_per_prompt: int | None,
-    repeats: int,
-    warmup: int,
-    overrides: Sequence[str],
-    root: str,
-) -> RunResult:
+    Files written at fit end go under ``root`` (a temporary folder when None).
+    """
+    if root is None:
+        with tempfile.TemporaryDirectory(prefix="unirl_bench_") as tmp:
+            return run_project(recipe, gates, prompts_per_step, samples_per_prompt, repeats, warmup, overrides, tmp)
     # Anything a callback writes at fit end (RunSummary's reward curve) goes to ``root``, not the repository.
     import unirl_pl.method.experience as experience_mod
     import unirl_pl.module as module_mod
