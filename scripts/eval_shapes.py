@@ -1,7 +1,8 @@
 """Evaluate the shipped ShapesWorld experts on held-out prompts (strict and soft, per category).
 
-    python scripts/eval_shapes.py                      # 120 held-out paraphrases, 10 ODE steps
-    python scripts/eval_shapes.py --split train --n 60 # train-split phrasing instead
+    python scripts/eval_shapes.py                          # 120 composition-split prompts, 10 ODE steps
+    python scripts/eval_shapes.py --split vocabulary       # the unseen-words split
+    python scripts/eval_shapes.py --split train --n 60     # train-split phrasing and compositions
 
 Prints one markdown table (rows: conditions; columns: overall and per-category scores).
 """
@@ -23,13 +24,14 @@ def main() -> None:
     parser.add_argument("--assets", default=str(DEFAULT_ASSETS))
     parser.add_argument("--n", type=int, default=120, help="prompts (categories balanced)")
     parser.add_argument("--prompt-seed", type=int, default=1000)
-    parser.add_argument("--split", default="heldout", choices=["heldout", "train"])
+    parser.add_argument("--split", default="composition", choices=["composition", "vocabulary", "train"])
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
+    parser.add_argument("--shift", type=float, default=3.0, help="sampler schedule shift (the recipes use 3)")
     parser.add_argument("--seed", type=int, default=0, help="sampling noise seed")
     parser.add_argument("--json", default=None, help="also write the scores here")
     args = parser.parse_args()
-    experts = load_experts(args.assets, args.num_steps, args.guidance_scale)
+    experts = load_experts(args.assets, args.num_steps, args.guidance_scale, shift=args.shift)
     scores = evaluate(experts, args.n, args.prompt_seed, args.split, args.seed)
     cols = ["overall", *CATEGORIES]
     print(f"| condition ({args.split}, n={args.n}) | " + " | ".join(f"strict/soft {c}" for c in cols) + " |")

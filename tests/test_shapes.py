@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,7 +125,7 @@ def test_sample_scene_deterministic_and_covers_categories() -> None:
 # ---------------------------------------------------------------- prompts
 
 
-@pytest.mark.parametrize("split", ["train", "heldout", "canonical"])
+@pytest.mark.parametrize("split", ["train", "composition", "vocabulary", "canonical"])
 def test_canonical_of_inverts_paraphrases(split: str) -> None:
     rows = make_prompt_set(600, seed=11, split=split)
     assert [r["category"] for r in rows[:6]] == list(CATEGORIES)
@@ -163,23 +164,71 @@ def test_heldout_phrasings_never_appear_in_train() -> None:
         assert not any(_contains(words, p) for p in heldout), " ".join(words)
     # Held-out templates are never used for train, and every held-out prompt uses one.
     templates = {tuple(tokenize_words(part)) for t in P.TEMPLATES[1] for part in t.split("{x}") if part.strip(" ,")}
-    for row in make_prompt_set(300, seed=5, split="heldout"):
+    for row in make_prompt_set(300, seed=5, split="vocabulary"):
         assert any(_contains(tokenize_words(row["prompt"]), t) for t in templates), row
+
+
+def test_composition_split_holds_out_compositions_not_words() -> None:
+    train = make_prompt_set(2000, seed=5, split="train")
+    composition = make_prompt_set(600, seed=5, split="composition")
+    train_words = {w for r in train for w in tokenize_words(r["prompt"])}
+    # Every word of a composition prompt occurs in train prompts; only the combination is new.
+    assert {w for r in composition for w in tokenize_words(r["prompt"])} <= train_words
+    heldout = _heldout_phrases()
+    for row in composition:
+        assert not any(_contains(tokenize_words(row["prompt"]), p) for p in heldout), row
+    train_captions = {r["caption"] for r in train}
+    for rows, held in ((train, False), (composition, True)):
+        for row in rows:
+            spec = parse_caption(row["caption"])
+            if spec.category != "single_object":
+                assert P.is_heldout_composition(spec) == held, row
+    # Held-out compositions are scenes no train prompt asks for; single-object scenes are shared.
+    new = {r["caption"] for r in composition if r["category"] != "single_object"}
+    assert new and not new & train_captions
+    # The composition templates are new: no train prompt is wrapped in one.
+    for row in train:
+        assert not any(
+            row["prompt"].startswith(t.split("{x}")[0]) and row["prompt"].endswith(t.split("{x}")[1])
+            for t in P.COMPOSITION_TEMPLATES
+            if t.split("{x}")[0] and t.split("{x}")[1]
+        ), row
+
+
+def test_every_color_and_shape_stays_in_training_and_the_vocabulary_split_is_held_out_too() -> None:
+    bindings = P.HELDOUT_BINDINGS
+    assert {c for c, _ in bindings} == set(COLORS) and len(bindings) == len(COLORS)
+    assert all(sum(s == shape for _, s in bindings) == 2 for shape in SHAPES)
+    for row in make_prompt_set(300, seed=3, split="vocabulary"):
+        spec = parse_caption(row["caption"])
+        assert spec.category == "single_object" or P.is_heldout_composition(spec), row
+    assert P.is_heldout_composition(parse_caption("a red triangle left of a blue circle"))
+    assert not P.is_heldout_composition(parse_caption("a red circle left of a blue triangle"))
+    assert P.is_heldout_composition(parse_caption("a triangle and a circle"))
+    assert not P.is_heldout_composition(parse_caption("a square and a circle"))
+    with pytest.raises(ValueError, match="split"):
+        P.sample_split_scene(np.random.default_rng(0), "colors", "heldout")
+
+
+def test_shipped_prompt_files_are_regenerated_exactly(tmp_path) -> None:
+    shipped = Path(P.__file__).resolve().parents[1] / "assets" / "shapes"
+    for path in P.write_prompt_files(tmp_path):
+        assert path.read_text() == (shipped / path.name).read_text(), path.name
 
 
 def test_words_are_covered_and_lowercase() -> None:
     assert all(re.fullmatch(r"[a-z]+|,", w) for w in SHAPES_WORDS)
     vocab = set(SHAPES_WORDS)
-    for split in ("train", "heldout"):
+    for split in ("train", "composition", "vocabulary"):
         for row in make_prompt_set(600, seed=2, split=split):
             assert set(tokenize_words(row["prompt"])) <= vocab, row["prompt"]
             assert set(tokenize_words(row["caption"])) <= vocab
 
 
 def test_prompt_set_deterministic_and_jsonl(tmp_path) -> None:
-    rows = make_prompt_set(24, seed=9, split="heldout")
-    assert rows == make_prompt_set(24, seed=9, split="heldout")
-    assert rows != make_prompt_set(24, seed=10, split="heldout")
+    rows = make_prompt_set(24, seed=9, split="vocabulary")
+    assert rows == make_prompt_set(24, seed=9, split="vocabulary")
+    assert rows != make_prompt_set(24, seed=10, split="vocabulary")
     path = tmp_path / "sub" / "prompts.jsonl"
     write_jsonl(rows, path)
     assert read_jsonl(path) == rows
@@ -188,6 +237,25 @@ def test_prompt_set_deterministic_and_jsonl(tmp_path) -> None:
 
 
 # ---------------------------------------------------------------- renderer and verifier
+
+
+def test_slot_layout_centers_objects_in_distinct_cells_and_keeps_relations() -> None:
+    from unirl_pl.shapes.render import layout
+
+    rng = np.random.default_rng(0)
+    cells = set()
+    for _ in range(300):
+        spec = sample_scene(rng)
+        boxes = layout(spec, rng, slots=2)
+        assert len({(b.x0, b.y0) for b in boxes}) == len(boxes), "one object per cell"
+        for box in boxes:
+            assert box.side == 12 and box.x0 % 16 == 2 and box.y0 % 16 == 2, box
+            cells.add((box.x0 // 16, box.y0 // 16))
+        image = render_batch([spec], seed=int(rng.integers(1000)), slots=2)[0]
+        assert verify(spec, image).strict, spec
+    assert cells == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    with pytest.raises(ValueError, match="do not fit"):
+        layout(parse_caption("three red circles"), rng, slots=1)
 
 
 def test_render_is_deterministic_crisp_and_black() -> None:
@@ -296,7 +364,7 @@ def _to_tensor(images: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 255.0
 
 
-@pytest.mark.parametrize("split", ["train", "heldout"])
+@pytest.mark.parametrize("split", ["train", "composition", "vocabulary"])
 def test_reward_scores_ground_truth_one(split: str) -> None:
     rows = make_prompt_set(60, seed=3, split=split)
     prompts = [r["prompt"] for r in rows]

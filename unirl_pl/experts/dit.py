@@ -48,6 +48,9 @@ class FlowTransformerExpert(LoRAExpert):
         caption_projection_dim: Tiny model only: width the text states are projected to.
         pooled_projection_dim: Tiny model only: width of the pooled text embedding (the text encoder's
             projection size).
+        qk_norm: Tiny model only: normalization of attention queries and keys (``rms_norm`` as in
+            SD3.5, or None as in SD3). RMS-normalized queries and keys let a small model learn sharp,
+            local attention quickly; without it a tiny pixel DiT's attention stays near uniform.
         lora_rank: LoRA rank ``r`` (>= 1).
         lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
         lora_target_modules: Module names that get LoRA; default ``to_q to_k to_v to_out.0``.
@@ -71,6 +74,7 @@ class FlowTransformerExpert(LoRAExpert):
         joint_attention_dim: int = 32,
         caption_projection_dim: int = 32,
         pooled_projection_dim: int = 32,
+        qk_norm: str | None = None,
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
@@ -104,6 +108,9 @@ class FlowTransformerExpert(LoRAExpert):
         self.num_layers, self.attention_head_dim = num_layers, attention_head_dim
         self.num_attention_heads, self.joint_attention_dim = num_attention_heads, joint_attention_dim
         self.caption_projection_dim, self.pooled_projection_dim = caption_projection_dim, pooled_projection_dim
+        if qk_norm not in (None, "rms_norm", "layer_norm"):
+            raise ValueError(f"qk_norm must be rms_norm, layer_norm or None, got {qk_norm!r}")
+        self.qk_norm = qk_norm
         self.model: SD3Transformer2DModel | None = None
 
     def tiny_config(self) -> dict[str, Any]:
@@ -119,6 +126,7 @@ class FlowTransformerExpert(LoRAExpert):
             "joint_attention_dim": self.joint_attention_dim,
             "caption_projection_dim": self.caption_projection_dim,
             "pooled_projection_dim": self.pooled_projection_dim,
+            "qk_norm": self.qk_norm,
             # Positional embeddings are cropped from this grid, so leave room for 2x larger latents.
             "pos_embed_max_size": 2 * self.sample_size // self.patch_size,
         }

@@ -22,14 +22,14 @@ from unirl_pl.shapes.scenes import caption, sample_scene
 _STRIDE = 10_000_000
 
 
-def scene_batch(seed: int, step: int, batch_size: int, size: int = DEFAULT_SIZE) -> dict[str, Any]:
+def scene_batch(seed: int, step: int, batch_size: int, size: int = DEFAULT_SIZE, slots: int = 0) -> dict[str, Any]:
     """Batch ``step`` of the scene stream: ``images`` (B, 3, size, size) in [-1, 1] and ``captions``.
 
     Categories are uniform (``sample_scene``); images are rendered ground truth for those captions.
     """
     rng = np.random.default_rng((seed, step))
     specs = [sample_scene(rng) for _ in range(batch_size)]
-    pixels = render_batch(specs, seed * _STRIDE + step, size)
+    pixels = render_batch(specs, seed * _STRIDE + step, size, slots)
     images = torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1.0
     return {"images": images, "captions": [caption(s) for s in specs]}
 
@@ -86,7 +86,11 @@ class _PretrainData(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # Batches are already whole; rendering is ~0.2 ms per image, so no worker processes are needed.
-        return DataLoader(_Stream(type(self).make, self.seed, self.batch_size), batch_size=None)
+        return DataLoader(_Stream(self.make_batch, self.seed, self.batch_size), batch_size=None)
+
+    def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
+        """Batch ``step`` of this module's stream."""
+        return type(self).make(seed, step, batch_size)
 
     def val_dataloader(self) -> DataLoader:
         batches = _heldout_batches(self.val_prompts, self.val_seed, self.val_split, self.batch_size)
@@ -101,7 +105,9 @@ class SceneDataModule(_PretrainData):
         seed: Seed of the scene stream (batch ``i`` depends only on ``(seed, i)``).
         val_prompts: Held-out prompts scored by sampling at validation (0 disables validation data).
         val_seed: Seed of the held-out prompt set (``make_prompt_set``).
-        val_split: Phrasing of the held-out prompts: ``canonical``, ``train`` or ``heldout``.
+        val_split: Split of the validation prompts (``unirl_pl.shapes.prompts.SPLITS``).
+        slots: Render objects centered in distinct cells of a ``slots`` x ``slots`` grid
+            (``unirl_pl.shapes.render.layout``); 0 places them freely.
     """
 
     make = staticmethod(scene_batch)
@@ -113,8 +119,13 @@ class SceneDataModule(_PretrainData):
         val_prompts: int = 48,
         val_seed: int = 1000,
         val_split: str = "canonical",
+        slots: int = 0,
     ) -> None:
         super().__init__(batch_size, seed, val_prompts, val_seed, val_split)
+        self.slots = slots
+
+    def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
+        return scene_batch(seed, step, batch_size, slots=self.slots)
 
 
 class ParaphraseDataModule(_PretrainData):
@@ -125,7 +136,8 @@ class ParaphraseDataModule(_PretrainData):
         seed: Seed of the pair stream (batch ``i`` depends only on ``(seed, i)``).
         val_prompts: Held-out prompts whose greedy refinements are checked at validation.
         val_seed: Seed of the held-out prompt set.
-        val_split: Phrasing of the validation prompts: ``heldout`` (unseen phrasing) or ``train``.
+        val_split: Split of the validation prompts: ``composition`` (held-out compositions and
+            templates, train words), ``vocabulary`` (unseen words) or ``train``.
     """
 
     make = staticmethod(pair_batch)
@@ -136,6 +148,6 @@ class ParaphraseDataModule(_PretrainData):
         seed: int = 0,
         val_prompts: int = 60,
         val_seed: int = 1000,
-        val_split: str = "heldout",
+        val_split: str = "composition",
     ) -> None:
         super().__init__(batch_size, seed, val_prompts, val_seed, val_split)

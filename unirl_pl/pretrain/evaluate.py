@@ -33,7 +33,11 @@ class ShapesExperts:
 
 
 def load_experts(
-    assets: str | Path = DEFAULT_ASSETS, num_steps: int = 10, guidance_scale: float = 1.0, with_refiner: bool = True
+    assets: str | Path = DEFAULT_ASSETS,
+    num_steps: int = 10,
+    guidance_scale: float = 1.0,
+    with_refiner: bool = True,
+    shift: float = 1.0,
 ) -> ShapesExperts:
     """Build the experts from ``assets`` (``transformer/``, ``text_encoder/``, ``refiner/``) by path."""
     root = Path(assets)
@@ -46,7 +50,9 @@ def load_experts(
     llm = CausalLMExpert(pretrained_path=str(root / "refiner")) if with_refiner else None
     if llm is not None:
         llm.build()
-    config = RolloutConfig(num_steps=num_steps, sde_window=(0, 1), guidance_scale=guidance_scale, max_new_tokens=16)
+    config = RolloutConfig(
+        num_steps=num_steps, sde_window=(0, 1), guidance_scale=guidance_scale, max_new_tokens=16, shift=shift
+    )
     ar = ARDecode(llm, config) if llm is not None else None
     return ShapesExperts(generator, llm, DiffusionDenoise(generator, config), ar)
 
@@ -71,16 +77,18 @@ def refine(experts: ShapesExperts, prompts: list[str]) -> list[str]:
 
 
 def evaluate(
-    experts: ShapesExperts, n: int = 120, prompt_seed: int = 1000, split: str = "heldout", seed: int = 0
+    experts: ShapesExperts, n: int = 120, prompt_seed: int = 1000, split: str = "composition", seed: int = 0
 ) -> dict[str, dict[str, float]]:
     """Scores per condition on ``n`` ``split`` prompts: ``canonical`` (the DiT given the true caption),
+    ``chance`` (given another prompt's caption: the list rolled by 3, so a different category),
     ``raw`` (given the user prompt) and, with a refiner, ``refined`` (given its greedy rewrite).
 
     Each image is scored against the user prompt's scene; values are ``ShapesGenEval.per_category``.
     """
     rows = make_prompt_set(n, prompt_seed, split)
     prompts = [r["prompt"] for r in rows]
-    conditions = {"canonical": [r["caption"] for r in rows], "raw": prompts}
+    captions = [r["caption"] for r in rows]
+    conditions = {"canonical": captions, "chance": captions[3:] + captions[:3], "raw": prompts}
     if experts.llm is not None:
         conditions["refined"] = refine(experts, prompts)
     scorer = ShapesGenEval()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,14 @@ from unirl_pl.generators import ComponentGenerator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine
 from unirl_pl.rewards.shapes import ShapesGenEval
+
+
+def weights_sha256(params: list[torch.nn.Parameter]) -> str:
+    """SHA-256 of the parameters' float32 bytes in order: equal hashes mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def flow_targets(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:
@@ -60,6 +72,17 @@ class FlowMatchingPretrain(pl.LightningModule):
             (same optimizer and lr; features are then recomputed each step, not cached). The tokenizer
             is unchanged, so the refiner's vocabulary still matches; the exported encoder is loaded
             frozen by RL runs as before.
+        shift: SD3 schedule shift of the noise levels: training sigmas are logit-normal draws mapped
+            by ``shift * s / (1 + (shift - 1) * s)`` and the validation sampler uses the same shift.
+            Above 1 it spends more of both on high noise, where a 32x32 scene's layout is decided;
+            RL recipes should sample with the same ``rollout.shift``.
+        fingerprint_every: Every this many optimizer steps, record the SHA-256 of the trained weights
+            (not the average); the export writes them to ``fingerprints.json``. The learning rate
+            of the first ``warmup_steps`` steps does not depend on ``trainer.max_steps``, so a short
+            run can check its early fingerprints against a long run's (0 disables).
+        ema_decay: Keep an exponential moving average of every trained weight with this decay per
+            optimizer step (0 disables), warmed up as ``min(ema_decay, (1 + n) / (10 + n))`` at step
+            ``n``. Validation and the export use the averaged weights.
     """
 
     def __init__(
@@ -76,6 +99,9 @@ class FlowMatchingPretrain(pl.LightningModule):
         num_threads: int | None = None,
         export_dir: str | None = None,
         train_text_encoder: bool = False,
+        ema_decay: float = 0.0,
+        shift: float = 1.0,
+        fingerprint_every: int = 100,
     ) -> None:
         super().__init__()
         if num_threads is not None:
@@ -84,6 +110,10 @@ class FlowMatchingPretrain(pl.LightningModule):
             raise ValueError(
                 "FlowMatchingPretrain trains a fresh pixel-space DiT: in_channels 3 and no pretrained_path"
             )
+        if shift <= 0:
+            raise ValueError(f"shift must be > 0, got {shift}")
+        if not 0 <= ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay}")
         if not 0 <= caption_dropout < 1:
             raise ValueError(f"caption_dropout must be in [0, 1), got {caption_dropout}")
         self.transformer = transformer
@@ -94,6 +124,11 @@ class FlowMatchingPretrain(pl.LightningModule):
         self.val_num_steps = val_num_steps
         self.export_dir = export_dir
         self.train_text_encoder = train_text_encoder
+        self.ema_decay = ema_decay
+        self.shift = shift
+        self.fingerprint_every = fingerprint_every
+        self.fingerprints: dict[str, str] = {}
+        self._ema: list[Tensor] = []
         self._features: dict[str, tuple[Tensor, Tensor]] = {}
         self.scorer = ShapesGenEval()
 
@@ -128,6 +163,7 @@ class FlowMatchingPretrain(pl.LightningModule):
         drop = torch.rand(n) < self.caption_dropout
         hidden, pooled = self.encode(["" if d else c for c, d in zip(batch["captions"], drop.tolist(), strict=True)])
         sigma = torch.sigmoid(torch.randn(n, device=x0.device))
+        sigma = self.shift * sigma / (1 + (self.shift - 1) * sigma)
         x_s, target = flow_targets(x0, torch.randn_like(x0), sigma)
         pred = self.transformer.velocity(x_s, sigma, hidden, pooled)
         loss = torch.nn.functional.mse_loss(pred.float(), target)
@@ -140,10 +176,54 @@ class FlowMatchingPretrain(pl.LightningModule):
         if self.grad_clip > 0:
             self.clip_gradients(optimizer, gradient_clip_val=self.grad_clip, gradient_clip_algorithm="norm")
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """Every weight the optimizer updates: the DiT's, plus the text encoder's when it is trained."""
         params = list(self.transformer.parameters())
         if self.train_text_encoder:
             params += list(self.text_encoder.model.parameters())
+        return params
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.fingerprint_every and self.global_step % self.fingerprint_every == 0:
+            self.fingerprints[str(self.global_step)] = weights_sha256(self.trained_parameters())
+        if self.ema_decay == 0:
+            return
+        params = [p.detach() for p in self.trained_parameters()]
+        if not self._ema:
+            self._ema = [p.clone() for p in params]
+            return
+        # Warm-up of the decay (1 + n) / (10 + n): a fixed 0.999 would keep ~half the first step's
+        # weights in the average after 700 steps, and mid-run validations would score those.
+        n = self.global_step
+        decay = min(self.ema_decay, (1 + n) / (10 + n))
+        torch._foreach_lerp_(self._ema, params, 1.0 - decay)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["ema"] = self._ema
+        checkpoint["fingerprints"] = self.fingerprints
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._ema = checkpoint.get("ema", [])
+        self.fingerprints = checkpoint.get("fingerprints", {})
+
+    @contextmanager
+    def averaged_weights(self) -> Iterator[None]:
+        """Swap the EMA weights in for the duration of the block (a no-op without an EMA)."""
+        if not self._ema:
+            yield
+            return
+        params = self.trained_parameters()
+        live = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            torch._foreach_copy_([p.data for p in params], self._ema)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_([p.data for p in params], live)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = self.trained_parameters()
         opt = torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
         total = self.trainer.max_steps if self.trainer.max_steps > 0 else 10_000
         sched = warmup_cosine(opt, self.warmup_steps, total, self.lr_floor)
@@ -153,14 +233,16 @@ class FlowMatchingPretrain(pl.LightningModule):
     def sample(self, prompts: list[str], seed: int = 0, num_steps: int | None = None) -> Tensor:
         """Images (N, 3, H, W) in [0, 1] for ``prompts`` via the RL serve path's deterministic ODE."""
         generator = ComponentGenerator(self.transformer, self.text_encoder, vae=None)
-        loop = DiffusionDenoise(generator, RolloutConfig(num_steps=num_steps or self.val_num_steps, sde_window=(0, 1)))
+        config = RolloutConfig(num_steps=num_steps or self.val_num_steps, sde_window=(0, 1), shift=self.shift)
+        loop = DiffusionDenoise(generator, config)
         hidden, pooled = self.encode(prompts)
         n = len(prompts)
         x, _ = loop.sample({"hidden": hidden, "pooled": pooled}, list(range(n)), [0] * n, "serve", seed=seed)
         return generator.decode(x)
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        images = self.sample(batch["prompts"])
+        with self.averaged_weights():
+            images = self.sample(batch["prompts"])
         n = len(batch["prompts"])
         for key, value in self.scorer.per_category(batch["prompts"], images).items():
             self.log(f"val/{key}", value, batch_size=n)
@@ -170,8 +252,13 @@ class FlowMatchingPretrain(pl.LightningModule):
             self.export(self.export_dir)
 
     def export(self, export_dir: str | Path) -> None:
-        """Save ``transformer/`` (diffusers) and ``text_encoder/`` (transformers + tokenizer) folders."""
+        """Save ``transformer/`` (diffusers) and ``text_encoder/`` (transformers + tokenizer) folders, with
+        the averaged weights when there is an EMA, and ``fingerprints.json``."""
         root = Path(export_dir)
-        self.transformer.model.save_pretrained(root / "transformer")
-        self.text_encoder.model.save_pretrained(root / "text_encoder")
+        with self.averaged_weights():
+            self.transformer.model.save_pretrained(root / "transformer")
+            self.text_encoder.model.save_pretrained(root / "text_encoder")
         self.text_encoder.tokenizer.save_pretrained(root / "text_encoder")
+        if self.fingerprints:
+            text = json.dumps({"trained_weights_sha256_after_step": self.fingerprints}, indent=1)
+            (root / "fingerprints.json").write_text(text + "\n")

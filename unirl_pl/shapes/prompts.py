@@ -1,12 +1,21 @@
-"""ShapesWorld user prompts: paraphrases of canonical captions, split into train and held-out phrasings.
+"""ShapesWorld user prompts: paraphrases of canonical captions, and the benchmark's three splits.
 
 The generator is trained on canonical captions; users speak differently. Paraphrases swap in synonyms
 for colors, shapes, quantities, conjunctions and relations and wrap the scene in a template. Every
-synonym table and the template list are split by hand into a ``train`` part (which also keeps the
-canonical word) and a ``heldout`` part that never appears in train prompts, so a refiner's
-generalization to unseen phrasing can be measured. ``canonical_of`` inverts any paraphrase exactly
-(it is a deterministic table parser, not a model), which is how the reward finds the scene a user
-actually asked for. Every word anywhere is in ``SHAPES_WORDS``.
+synonym table and the template list are split by hand into a train part (which also keeps the
+canonical word) and a held-out part. The splits:
+
+* ``train``: scenes of the RL training compositions, phrased with train words and templates.
+* ``composition``: scenes whose composition RL training never shows (a held-out color-shape binding,
+  ``HELDOUT_BINDINGS``, or the circle-and-triangle pair), phrased with train words only but wrapped in
+  templates that combine train templates (``COMPOSITION_TEMPLATES``). Every word is one the experts
+  saw in pretraining; what is new is the combination. The benchmark's main held-out split.
+* ``vocabulary``: the same held-out compositions phrased with held-out synonyms and templates that no
+  pretraining or training data contains: the second, harder split.
+* ``canonical``: captions of uniformly drawn scenes (what the generator is pretrained on).
+
+``canonical_of`` inverts any paraphrase exactly (a deterministic table parser, not a model), which is
+how the reward finds the scene a user actually asked for. Every word anywhere is in ``SHAPES_WORDS``.
 """
 
 from __future__ import annotations
@@ -32,7 +41,22 @@ from unirl_pl.shapes.scenes import (
     sample_scene,
 )
 
-SPLITS: tuple[str, ...] = ("train", "heldout", "canonical")
+SPLITS: tuple[str, ...] = ("train", "composition", "vocabulary", "canonical")
+
+# Color-shape bindings that no RL training prompt contains: each color loses one shape and each shape
+# two colors, so every color and every shape still occurs in training, only these pairings do not.
+HELDOUT_BINDINGS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("red", "triangle"),
+        ("yellow", "triangle"),
+        ("green", "circle"),
+        ("purple", "circle"),
+        ("blue", "square"),
+        ("cyan", "square"),
+    }
+)
+# Uncolored two-object scenes of this shape pair (either order) are held out too.
+HELDOUT_SHAPE_PAIR: frozenset[str] = frozenset({"circle", "triangle"})
 
 # canonical -> (train synonyms, held-out synonyms). The canonical word itself belongs to train only.
 COLOR_SYNONYMS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -87,10 +111,32 @@ TEMPLATES: tuple[tuple[str, ...], tuple[str, ...]] = (
 )
 
 
+# New templates for the composition split, each made only of train-template words.
+COMPOSITION_TEMPLATES: tuple[str, ...] = (
+    "a drawing of {x} on a dark background",
+    "please draw a picture of {x}",
+    "render a photo of {x}",
+    "an image of {x} on a dark background",
+    "please render {x}",
+)
+
+
+def is_heldout_composition(spec: SceneSpec) -> bool:
+    """Whether RL training never shows this scene: a held-out binding or the held-out shape pair.
+
+    Single-object scenes (three of them) are never held out; in the held-out splits they differ from
+    training only in phrasing.
+    """
+    if spec.category == "two_object":
+        return {o.shape for o in spec.objects} == HELDOUT_SHAPE_PAIR
+    return any((o.color, o.shape) in HELDOUT_BINDINGS for o in spec.objects)
+
+
 def _split_index(split: str) -> int:
-    if split not in ("train", "heldout"):
+    """0: train words and templates; 1: held-out ones (the vocabulary split)."""
+    if split not in ("train", "composition", "vocabulary"):
         raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
-    return 0 if split == "train" else 1
+    return 1 if split == "vocabulary" else 0
 
 
 def _tokens(text: str) -> list[str]:
@@ -124,19 +170,21 @@ def _object_paraphrase(obj: ObjectSpec, rng: np.random.Generator, split: str) ->
     if obj.color is not None:
         words.append(_pick(_pool(obj.color, COLOR_SYNONYMS[obj.color], split), rng))
     train, heldout = SHAPE_SYNONYMS[obj.shape]
-    forms = ((obj.shape, PLURALS[obj.shape]), *train) if split == "train" else heldout
+    forms = heldout if _split_index(split) == 1 else ((obj.shape, PLURALS[obj.shape]), *train)
     singular, plural = forms[int(rng.integers(len(forms)))]
     words.append(singular if obj.count == 1 else plural)
     return " ".join(_with_article(words))
 
 
 def paraphrase(spec: SceneSpec, rng: np.random.Generator, split: str) -> str:
-    """Write a user prompt for ``spec`` in the phrasing of ``split``: train, heldout or canonical.
+    """Write a user prompt for ``spec`` in the phrasing of ``split`` (see the module doc).
 
     ``train`` draws each slot (template, quantity, color, shape, conjunction, relation) from the
-    canonical word plus the train synonyms; ``heldout`` draws only from held-out synonyms and
-    templates, so every held-out prompt is phrased in a way train prompts never are; ``canonical``
-    returns the caption itself. Deterministic for a given generator state.
+    canonical word plus the train synonyms; ``composition`` does the same but wraps the scene in a
+    ``COMPOSITION_TEMPLATES`` template; ``vocabulary`` draws only from held-out synonyms and templates,
+    so it is phrased in a way train prompts never are; ``canonical`` returns the caption itself. The
+    split decides phrasing only (``make_prompt_set`` picks the scenes). Deterministic for a given
+    generator state.
     """
     if split == "canonical":
         return caption(spec)
@@ -150,7 +198,8 @@ def paraphrase(spec: SceneSpec, rng: np.random.Generator, split: str) -> str:
         else:
             link = _pick(_pool("and", CONJUNCTIONS, split), rng)
         scene = f"{phrases[0]} {link} {phrases[1]}"
-    template = _pick(TEMPLATES[_split_index(split)], rng)
+    templates = COMPOSITION_TEMPLATES if split == "composition" else TEMPLATES[_split_index(split)]
+    template = _pick(templates, rng)
     return " ".join(_with_article(template.replace("{x}", scene).split())).replace(" ,", ",")
 
 
@@ -185,7 +234,10 @@ _MAX_PHRASE = max(len(p) for p in _PHRASES)
 # Most literal words first, so "{x}" (which matches anything) is the last resort.
 _TEMPLATE_TOKENS: tuple[tuple[list[str], list[str]], ...] = tuple(
     sorted(
-        ((_tokens(t.split("{x}")[0]), _tokens(t.split("{x}")[1])) for t in (*TEMPLATES[0], *TEMPLATES[1])),
+        (
+            (_tokens(t.split("{x}")[0]), _tokens(t.split("{x}")[1]))
+            for t in (*TEMPLATES[0], *TEMPLATES[1], *COMPOSITION_TEMPLATES)
+        ),
         key=lambda parts: -(len(parts[0]) + len(parts[1])),
     )
 )
@@ -238,18 +290,35 @@ def spec_of(prompt: str) -> SceneSpec:
     return parse_caption(canonical_of(prompt))
 
 
+def sample_split_scene(rng: np.random.Generator, category: str, split: str) -> SceneSpec:
+    """A uniform scene of ``category`` from the compositions of ``split``.
+
+    ``train`` rejects held-out compositions, ``composition`` and ``vocabulary`` keep only them (any
+    single-object scene qualifies), ``canonical`` takes every scene.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS}")
+    while True:
+        spec = sample_scene(rng, category)
+        if split == "canonical" or spec.category == "single_object":
+            return spec
+        if is_heldout_composition(spec) == (split != "train"):
+            return spec
+
+
 def make_prompt_set(n: int, seed: int, split: str) -> list[dict[str, str]]:
     """Build ``n`` prompt rows ``{"prompt", "caption", "category"}`` with categories balanced round-robin.
 
-    Row i has category ``CATEGORIES[i % 6]``; its scene and phrasing come from one generator seeded
-    by ``seed``, so the same (n, seed, split) always yields the same rows.
+    Row i has category ``CATEGORIES[i % 6]``; its scene (``sample_split_scene``) and phrasing
+    (``paraphrase``) come from one generator seeded by ``seed``, so the same (n, seed, split) always
+    yields the same rows.
     """
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = np.random.default_rng(seed)
     rows = []
     for i in range(n):
-        spec = sample_scene(rng, CATEGORIES[i % len(CATEGORIES)])
+        spec = sample_split_scene(rng, CATEGORIES[i % len(CATEGORIES)], split)
         rows.append({"prompt": paraphrase(spec, rng, split), "caption": caption(spec), "category": spec.category})
     return rows
 
@@ -275,9 +344,35 @@ def _all_words() -> tuple[str, ...]:
         words.update(relation.split())
     for phrase in _PHRASES:
         words.update(phrase)
-    for template in (*TEMPLATES[0], *TEMPLATES[1]):
+    for template in (*TEMPLATES[0], *TEMPLATES[1], *COMPOSITION_TEMPLATES):
         words.update(_tokens(template.replace("{x}", " ")))
     return tuple(sorted(words))
 
 
 SHAPES_WORDS: tuple[str, ...] = _all_words()
+
+
+# The shipped prompt files: (file name, rows, seed, split). RL trains on the first and validates on the
+# second; the third is the harder vocabulary split, reported separately.
+PROMPT_FILES: tuple[tuple[str, int, int, str], ...] = (
+    ("prompts_train.jsonl", 240, 1, "train"),
+    ("prompts_composition.jsonl", 120, 1000, "composition"),
+    ("prompts_vocabulary.jsonl", 120, 1000, "vocabulary"),
+)
+
+
+def write_prompt_files(folder: str | os.PathLike[str]) -> list[Path]:
+    """Write the ``PROMPT_FILES`` into ``folder`` (what ``unirl_pl/assets/shapes`` ships); returns the paths."""
+    paths = []
+    for name, n, seed, split in PROMPT_FILES:
+        path = Path(folder) / name
+        write_jsonl(make_prompt_set(n, seed, split), path)
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    import sys
+
+    for written in write_prompt_files(sys.argv[1] if len(sys.argv) > 1 else "runs/shapes/export"):
+        print(written)
