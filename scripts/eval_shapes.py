@@ -15,7 +15,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from unirl_pl.pretrain.evaluate import DEFAULT_ASSETS, evaluate, load_experts  # noqa: E402
+from unirl_pl.pretrain.evaluate import DEFAULT_ASSETS, SHIPPED_SHIFT, evaluate, load_experts  # noqa: E402
 from unirl_pl.shapes.scenes import CATEGORIES  # noqa: E402
 
 
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--split", default="composition", choices=["composition", "vocabulary", "train"])
     parser.add_argument("--num-steps", type=int, default=10)
     parser.add_argument("--guidance-scale", type=float, default=1.0)
-    parser.add_argument("--shift", type=float, default=3.0, help="sampler schedule shift (the recipes use 3)")
+    parser.add_argument("--shift", type=float, default=SHIPPED_SHIFT, help="schedule shift (shipped DiT: 3)")
     parser.add_argument("--seed", type=int, default=0, help="sampling noise seed")
     parser.add_argument("--json", default=None, help="also write the scores here")
     args = parser.parse_args()
@@ -38,6 +38,9 @@ def main() -> None:
     print("|---" * (len(cols) + 1) + "|")
     for name, s in scores.items():
         print(f"| {name} | " + " | ".join(f"{s[f'strict/{c}']:.2f} / {s[f'soft/{c}']:.2f}" for c in cols) + " |")
+    if "refined" in scores:
+        exact = scores["refined"]["exact_match"]
+        print(f"\nthe refiner rewrites {exact:.0%} of these prompts to their canonical caption exactly")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(scores, f, indent=2)

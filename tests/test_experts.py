@@ -151,6 +151,7 @@ def test_frozen_components_stay_frozen_and_in_eval(name: str) -> None:
         (lambda: FlowTransformerExpert(lora_init="pissa"), "lora_init"),
         (lambda: FlowTransformerExpert(caption_projection_dim=48), "caption_projection_dim"),
         (lambda: FlowTransformerExpert(sample_size=15), "patch_size"),
+        (lambda: FlowTransformerExpert(qk_norm="l2"), "qk_norm"),
         (lambda: TextEncoderExpert(max_length=1), "max_length"),
         (lambda: VAEExpert(block_out_channels=[32, 12]), "norm_num_groups"),
     ],
@@ -317,6 +318,20 @@ def test_dit_loads_from_pipeline_folder_and_adapter_round_trips(tmp_path: Path) 
 
 
 # ---------------------------------------------------------------- text encoder
+
+
+def test_dit_qk_norm_reaches_the_attention_and_the_saved_config(tmp_path: Path) -> None:
+    expert = FlowTransformerExpert(qk_norm="rms_norm")
+    expert.build()
+    attn = expert.model.transformer_blocks[0].attn
+    assert type(attn.norm_q).__name__ == type(attn.norm_k).__name__ == "RMSNorm"
+    plain = FlowTransformerExpert()
+    plain.build()
+    assert plain.model.transformer_blocks[0].attn.norm_q is None
+    expert.model.save_pretrained(tmp_path / "transformer")
+    loaded = FlowTransformerExpert(pretrained_path=str(tmp_path), subfolder="transformer")
+    loaded.build()
+    assert loaded.model.config.qk_norm == "rms_norm"
 
 
 def test_text_encoder_fixed_length_and_eos_pooling() -> None:

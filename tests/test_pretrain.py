@@ -166,7 +166,8 @@ def test_refiner_sft_lowers_loss_and_exports_a_loadable_lm(tmp_path: Path) -> No
 def shipped():
     for part in ("transformer", "text_encoder", "refiner"):
         assert (DEFAULT_ASSETS / part).is_dir(), f"missing shipped checkpoint {DEFAULT_ASSETS / part}"
-    return load_experts(DEFAULT_ASSETS, num_steps=10, guidance_scale=3.0)
+    # The main recipe's serve path: 10 ODE steps at the shipped shift, no guidance.
+    return load_experts(DEFAULT_ASSETS, num_steps=10, guidance_scale=1.0)
 
 
 def test_shipped_assets_are_small_safetensors() -> None:
@@ -175,16 +176,17 @@ def test_shipped_assets_are_small_safetensors() -> None:
     assert not [p for p in files if p.suffix in (".bin", ".pt", ".ckpt")]
 
 
-def test_shipped_dit_beats_chance_given_canonical_captions(shipped) -> None:
-    # Chance = the same generator and noise drawing a different scene's caption, scored against this
-    # one: what a model ignoring its prompt would get. The real captions must beat it by a margin
-    # (measured 0.53 vs 0.40 with CFG 3; without CFG the shipped DiT is barely above it, see docs).
-    rows = make_prompt_set(48, 1000, "composition")
+def test_shipped_dit_follows_canonical_captions_far_above_chance(shipped) -> None:
+    # Chance = the same generator and noise drawing a different scene's caption (rolled by 3, another
+    # category), scored against this one: what a model ignoring its prompt would get. Strict scores on
+    # the 120 prompts of scripts/eval_shapes.py's composition split (measured 0.62 vs 0.04; the first 48
+    # alone, the ablation's validation set, give 0.54 vs 0.02).
+    rows = make_prompt_set(120, 1000, "composition")
     prompts, captions = [r["prompt"] for r in rows], [r["caption"] for r in rows]
-    scorer = ShapesGenEval("soft")
+    scorer = ShapesGenEval("strict")
     right = sum(scorer(prompts, prompts, generate(shipped, captions))) / len(rows)
     wrong = sum(scorer(prompts, prompts, generate(shipped, captions[3:] + captions[:3]))) / len(rows)
-    assert right > wrong + 0.08, (right, wrong)
+    assert right >= 0.6 and wrong <= 0.2, (right, wrong)
 
 
 def test_shipped_refiner_rewrites_train_phrasing_to_captions(shipped) -> None:

@@ -4,10 +4,12 @@ Each (mode, seed) is one run in a fresh subprocess of this CLI, so runs share no
 threads) and a crash ends only that run:
 
 - ``joint``, ``prompt_only``, ``generator_only``: ``fit`` with ``--model.mode=<mode>``;
-- ``base`` (no RL): ``validate`` of the recipe's starting weights (mode ``joint``: refiner in front of
-  the DiT), with the CSVLogger given on the command line so it writes a ``metrics.csv``. Its scores
-  equal those of a fit's validation with untrained weights (a fit with both learning rates 0, checked
-  against it, logs identical held-out metrics).
+- ``base`` and ``base_no_refiner`` (no RL): ``validate`` of the recipe's starting weights in mode
+  ``joint`` (refiner in front of the DiT: where ``joint`` and ``prompt_only`` start) and
+  ``generator_only`` (the DiT on the user's prompt: where ``generator_only`` starts), with the
+  CSVLogger given on the command line so it writes a ``metrics.csv``. Their scores equal those of a
+  fit's validation with untrained weights (a fit with both learning rates 0, checked against it, logs
+  identical held-out metrics).
 
 Every run gets ``--seed_everything=<s> --data.seed=<s>``, its own logger folder
 ``<out>/runs/<mode>_s<seed>/version_N`` and (fit) checkpoint folder ``<out>/ckpt/<mode>_s<seed>``;
@@ -16,7 +18,7 @@ its stdout and stderr go to ``<out>/logs/<mode>_s<seed>.{out,err}``.
 Splits: the recipe's own validation prompts are the main split (``--val-name``, default ``composition``),
 validated during each fit and plotted against RL steps. Every ``--extra-val NAME=FILE`` split (default:
 the shipped ShapesWorld ``vocabulary`` split) is scored after a run finishes by one more ``validate``
-subprocess: of the fit's ``last.ckpt``, or of the starting weights for ``base``, with
+subprocess: of the fit's ``last.ckpt``, or of the starting weights for the base rows, with
 ``--data.val_prompts=FILE``; it logs to ``<out>/runs/<mode>_s<seed>_<NAME>``. The held-out strict and soft
 scores, overall and per category (``val/<term>/{strict,soft}/<category>``, see
 :meth:`unirl_pl.rewards.shapes.ShapesGenEval.breakdown`), are read from each run's ``metrics.csv``:
@@ -40,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODES: tuple[str, ...] = ("base", "joint", "prompt_only", "generator_only")
+MODES: tuple[str, ...] = ("base", "base_no_refiner", "joint", "prompt_only", "generator_only")
+# No-RL rows: the recipe's starting weights validated in the mode whose start they are.
+BASE_MODES: dict[str, str] = {"base": "joint", "base_no_refiner": "generator_only"}
 DEFAULT_EXTRA_VAL = ("vocabulary", Path(__file__).resolve().parent / "assets" / "shapes" / "prompts_vocabulary.jsonl")
 PROG = "python -m unirl_pl ablate"
 # A smoke setting: two RL steps, a validation after each, one small held-out batch, short rollouts.
@@ -60,6 +64,7 @@ SCORES = ("strict", "soft")
 STDERR_TAIL = 25
 COLORS = {
     "base": (110, 110, 110),
+    "base_no_refiner": (150, 150, 90),
     "joint": (31, 119, 180),
     "prompt_only": (255, 127, 14),
     "generator_only": (44, 160, 44),
@@ -133,29 +138,30 @@ def build_command(
     checkpoint_dirpath: bool = True,
     split: tuple[str, Path] | None = None,
 ) -> list[str]:
-    """The command line of one run (``base`` validates, the other modes fit); overrides come last."""
+    """The command line of one run (the base rows validate, the other modes fit); overrides come last."""
     name = run_name(mode, seed)
     runs = out / "runs"
     common = [f"--seed_everything={seed}", f"--data.seed={seed}"]
     if split is not None:
         # Score the finished run on another prompt file: the fit's last checkpoint (base: the start).
         split_name, prompts = split
-        head = ["validate", "--config", config, f"--model.mode={'joint' if mode == 'base' else mode}", *common]
-        if mode != "base":
+        head = ["validate", "--config", config, f"--model.mode={BASE_MODES.get(mode, mode)}", *common]
+        if mode not in BASE_MODES:
             head.append(f"--ckpt_path={out / 'ckpt' / name / 'last.ckpt'}")
         head += [f"--data.val_prompts={prompts}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
         head += [f"--trainer.logger.init_args.save_dir={runs}"]
         head += [f"--trainer.logger.init_args.name={run_name(mode, seed, split_name)}"]
         return [sys.executable, "-m", "unirl_pl", *head, *(QUICK if quick else ()), *extra]
-    if mode == "base":
+    if mode in BASE_MODES:
         # validate keeps a logger only when the command line gives one (cli.UniRLCLI); no RL, so the
-        # recipe's starting weights with the refiner in front (mode joint).
-        head = ["validate", "--config", config, "--model.mode=joint", *common]
+        # recipe's starting weights: with the refiner in front (base, mode joint) or without it
+        # (base_no_refiner, mode generator_only: where generator_only starts).
+        head = ["validate", "--config", config, f"--model.mode={BASE_MODES[mode]}", *common]
         head += ["--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
     else:
         head = ["fit", "--config", config, f"--model.mode={mode}", *common]
     head += [f"--trainer.logger.init_args.save_dir={runs}", f"--trainer.logger.init_args.name={name}"]
-    if mode != "base" and checkpoint_dirpath:
+    if mode not in BASE_MODES and checkpoint_dirpath:
         head.append(f"--trainer.callbacks.dirpath={out / 'ckpt' / name}")
     return [sys.executable, "-m", "unirl_pl", *head, *(QUICK if quick else ()), *extra]
 
@@ -320,7 +326,9 @@ def write_markdown(
         "Each cell is `mean ± std` over seeds of the held-out score at the run's last validation "
         "(std: sample standard deviation, n - 1; `–` with a single seed). Strict = every constraint of "
         "the scene holds (GenEval accuracy); soft = fraction of constraints that hold. `base` = the "
-        "recipe's starting weights validated before any RL step (refiner in front of the DiT).",
+        "recipe's starting weights validated before any RL step with the refiner in front of the DiT (where "
+        "`joint` and `prompt_only` start); `base_no_refiner` = the same without the refiner (where "
+        "`generator_only` starts).",
     ]
     for split, label in split_names(runs, main).items():
         note = " (the recipe's validation prompts)" if not split else " (scored after each run)"
@@ -389,7 +397,7 @@ def curve_stats(runs: list[Run], mode: str, metric: str) -> list[tuple[int, floa
 def draw_plot(path: Path, runs: list[Run], modes: list[str], size: tuple[int, int] = (960, 560)) -> None:
     """Held-out strict (overall) against RL steps: a line per mode (mean over seeds), a band of ± one std.
 
-    ``base`` is validated before any step, so it is a dashed horizontal line (its value at step 0)
+    A base row is validated before any step, so it is a dashed horizontal line (its value at step 0)
     with its band across the whole axis.
     """
     from PIL import Image, ImageDraw
@@ -461,7 +469,7 @@ def draw_plot(path: Path, runs: list[Run], modes: list[str], size: tuple[int, in
     band = ImageDraw.Draw(overlay)
     for mode, curve in curves.items():
         color = COLORS.get(mode, (148, 103, 189))
-        if mode == "base" or len(curve) == 1:
+        if mode in BASE_MODES or len(curve) == 1:
             _, mean, std, _ = curve[0]
             lo_y, hi_y = xy(x0, mean + std)[1], xy(x0, mean - std)[1]
             band.rectangle([plot[0], lo_y, plot[2], hi_y], fill=(*color, 40))
@@ -473,7 +481,7 @@ def draw_plot(path: Path, runs: list[Run], modes: list[str], size: tuple[int, in
     draw = ImageDraw.Draw(img)
     for mode, curve in curves.items():
         color = COLORS.get(mode, (148, 103, 189))
-        if mode == "base" or len(curve) == 1:
+        if mode in BASE_MODES or len(curve) == 1:
             x, mean, _, _ = curve[0]
             _, py = xy(x0, mean)
             px = plot[0]
@@ -542,7 +550,7 @@ def execute(run: Run, env: dict[str, str]) -> None:
         run.version_dir = max(new, key=_version_number)
     metrics = run.version_dir / "metrics.csv" if run.version_dir else None
     if run.returncode == 0 and metrics is not None and metrics.is_file():
-        run.final, run.final_step, run.series = read_validation(metrics, fit=run.mode != "base")
+        run.final, run.final_step, run.series = read_validation(metrics, fit=run.mode not in BASE_MODES)
 
 
 def write_outputs(out: Path, runs: list[Run], modes: list[str], meta: dict[str, str], main: str) -> None:
@@ -638,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds
         for mode in args.modes
     ]
-    if not checkpoint and args.extra_val and any(m != "base" for m in args.modes):
+    if not checkpoint and args.extra_val and any(m not in BASE_MODES for m in args.modes):
         print(f"{PROG}: --extra-val needs the fit's last.ckpt: the recipe's last callback must be a ModelCheckpoint")
         return 2
     extra_runs: dict[str, list[Run]] = {

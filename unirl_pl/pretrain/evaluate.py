@@ -20,6 +20,8 @@ from unirl_pl.rewards.shapes import ShapesGenEval
 from unirl_pl.shapes.prompts import make_prompt_set
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "shapes"
+# The schedule shift the shipped DiT was pretrained with (recipes/shapes/pretrain_dit.yaml).
+SHIPPED_SHIFT = 3.0
 
 
 @dataclass
@@ -37,7 +39,7 @@ def load_experts(
     num_steps: int = 10,
     guidance_scale: float = 1.0,
     with_refiner: bool = True,
-    shift: float = 1.0,
+    shift: float = SHIPPED_SHIFT,
 ) -> ShapesExperts:
     """Build the experts from ``assets`` (``transformer/``, ``text_encoder/``, ``refiner/``) by path."""
     root = Path(assets)
@@ -81,7 +83,8 @@ def evaluate(
 ) -> dict[str, dict[str, float]]:
     """Scores per condition on ``n`` ``split`` prompts: ``canonical`` (the DiT given the true caption),
     ``chance`` (given another prompt's caption: the list rolled by 3, so a different category),
-    ``raw`` (given the user prompt) and, with a refiner, ``refined`` (given its greedy rewrite).
+    ``raw`` (given the user prompt) and, with a refiner, ``refined`` (given its greedy rewrite; its
+    ``exact_match`` is the fraction of rewrites equal to the canonical caption).
 
     Each image is scored against the user prompt's scene; values are ``ShapesGenEval.per_category``.
     """
@@ -92,4 +95,8 @@ def evaluate(
     if experts.llm is not None:
         conditions["refined"] = refine(experts, prompts)
     scorer = ShapesGenEval()
-    return {name: scorer.per_category(prompts, generate(experts, texts, seed)) for name, texts in conditions.items()}
+    scores = {name: scorer.per_category(prompts, generate(experts, texts, seed)) for name, texts in conditions.items()}
+    if "refined" in scores:
+        exact = [r == c for r, c in zip(conditions["refined"], captions, strict=True)]
+        scores["refined"]["exact_match"] = sum(exact) / max(1, len(exact))
+    return scores
