@@ -72,6 +72,9 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
         dit.velocity = counted
         DiffusionDenoise(generator, config).sample(cond, [rank, rank + 2], [0, 0], "serve", seed=0, num_steps=counts)
         Path(out_dir, f"rank{rank}.txt").write_text(f"{lengths} {len(forwards)} {len(velocity_calls)}")
+        # Both ranks leave their collectives before either tears gloo down: a rank that destroys the
+        # group while its peer still talks can abort ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
