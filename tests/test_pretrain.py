@@ -79,21 +79,7 @@ def _flow_loss(module: FlowMatchingPretrain, batch: dict) -> float:
 
 @pytest.mark.parametrize("train_text_encoder", [False, True])
 def test_flow_pretrain_lowers_loss_and_exports_loadable_folders(tmp_path: Path, train_text_encoder: bool) -> None:
-    dit = FlowTransformerExpert(
-        sample_size=32,
-        patch_size=8,
-        in_channels=3,
-        num_layers=1,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=32,
-        caption_projection_dim=32,
-        pooled_projection_dim=32,
-    )
-    module = FlowMatchingPretrain(
-        dit, TextEncoderExpert(), lr=3e-3, warmup_steps=1, caption_dropout=0.0, train_text_encoder=train_text_encoder
-    )
-    module.configure_model()
+    module = _tiny_flow_module(train_text_encoder=train_text_encoder, warmup_steps=1)
     text_before = {k: v.clone() for k, v in module.text_encoder.model.state_dict().items()}
     batch = scene_batch(seed=0, step=0, batch_size=8)
     before = _flow_loss(module, batch)
@@ -208,7 +194,8 @@ def _tiny_flow_module(**kwargs) -> FlowMatchingPretrain:
         caption_projection_dim=32,
         pooled_projection_dim=32,
     )
-    module = FlowMatchingPretrain(dit, TextEncoderExpert(), lr=3e-3, warmup_steps=5, caption_dropout=0.0, **kwargs)
+    kwargs = {"lr": 3e-3, "warmup_steps": 5, "caption_dropout": 0.0} | kwargs
+    module = FlowMatchingPretrain(dit, TextEncoderExpert(), **kwargs)
     module.configure_model()
     return module
 
