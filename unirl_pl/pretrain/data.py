@@ -75,8 +75,6 @@ def _heldout_batches(n: int, seed: int, split: str, batch_size: int) -> list[dic
 
 
 class _PretrainData(pl.LightningDataModule):
-    make: Any = None
-
     def __init__(self, batch_size: int, seed: int, val_prompts: int, val_seed: int, val_split: str) -> None:
         super().__init__()
         if batch_size < 1:
@@ -90,7 +88,7 @@ class _PretrainData(pl.LightningDataModule):
 
     def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
         """Batch ``step`` of this module's stream."""
-        return type(self).make(seed, step, batch_size)
+        raise NotImplementedError
 
     def val_dataloader(self) -> DataLoader:
         batches = _heldout_batches(self.val_prompts, self.val_seed, self.val_split, self.batch_size)
@@ -109,8 +107,6 @@ class SceneDataModule(_PretrainData):
         slots: Render objects centered in distinct cells of a ``slots`` x ``slots`` grid
             (``unirl_pl.shapes.render.layout``); 0 places them freely.
     """
-
-    make = staticmethod(scene_batch)
 
     def __init__(
         self,
@@ -140,8 +136,6 @@ class ParaphraseDataModule(_PretrainData):
             templates, train words), ``vocabulary`` (unseen words) or ``train``.
     """
 
-    make = staticmethod(pair_batch)
-
     def __init__(
         self,
         batch_size: int = 64,
@@ -151,3 +145,6 @@ class ParaphraseDataModule(_PretrainData):
         val_split: str = "composition",
     ) -> None:
         super().__init__(batch_size, seed, val_prompts, val_seed, val_split)
+
+    def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
+        return pair_batch(seed, step, batch_size)
