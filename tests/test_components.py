@@ -139,6 +139,19 @@ def test_bad_scheme_and_layout_settings_are_refused():
         PromptDataModule(val_batch_size=0)
 
 
+def test_val_seed_fixes_validation_noise_and_leaves_training_to_seed():
+    prompts = ["a red circle", "a blue square", "two cyan triangles"]
+
+    def seeds(**kwargs):
+        dm = PromptDataModule(prompts=prompts, val_prompts=prompts, val_batch_size=2, **kwargs)
+        train = next(iter(dm.train_dataloader()))
+        return train.seed, [b.seed for b in dm.val_dataloader()], [b.seed for b in dm.predict_dataloader()]
+
+    assert seeds(seed=3) == (3, [3, 3], [3, 3])  # null: the run's seed everywhere
+    assert seeds(seed=3, val_seed=0) == (3, [0, 0], [0, 0])
+    assert seeds(seed=5, val_seed=0)[1:] == seeds(seed=3, val_seed=0)[1:]
+
+
 def test_group_layout_index_math():
     layout = GroupLayout(samples_per_prompt=3, num_skip_refinement=1, images_per_refinement=2)
     assert layout.text_prompt(2).tolist() == [0, 0, 0, 1, 1, 1]

@@ -331,6 +331,37 @@ def test_denoise_with_per_request_step_counts(built):
         loop.sample(cond, ids, idx, "serve", seed=0, num_steps=[8, 2])
 
 
+def test_shared_start_noise_shares_the_start_of_a_request_only(built):
+    model, _ = built
+    loop = model.diffusion_denoise
+    cond = model.generator.encode(["a red circle"] * 4)
+    ids, idx = [5, 5, 5, 9], [0, 1, 2, 0]
+    shared_loop = with_config(loop, shared_start_noise=True)
+    own, _ = loop.sample(cond, ids, idx, "serve", seed=0)
+    shared, _ = shared_loop.sample(cond, ids, idx, "serve", seed=0)
+    # Same text and start: the deterministic serve path gives one image for the whole request...
+    assert torch.equal(shared[1], shared[0]) and torch.equal(shared[2], shared[0])
+    # ...while each sample's own start (the default) gives different ones.
+    assert max_abs_diff(own[1], own[0]) > 1e-2
+    # Sample 0 of every request, hence the serve and validation path, does not depend on the setting;
+    # another request keeps its own start.
+    assert torch.equal(shared[0], own[0]) and torch.equal(shared[3], own[3])
+    assert max_abs_diff(shared[3], shared[0]) > 1e-2
+    # The SDE steps keep drawing each sample's own noise: rollouts of one request still differ, by
+    # exactly the noise of the default setting after the start.
+    _, rec = shared_loop.sample(cond, ids, idx, "rollout", seed=0)
+    _, rec_own = loop.sample(cond, ids, idx, "rollout", seed=0)
+    assert torch.equal(rec.prev[1, 0], rec.prev[0, 0]) and max_abs_diff(rec.sample[1, 0], rec.sample[0, 0]) > 1e-3
+    assert torch.equal(rec.sample[0], rec_own.sample[0])
+
+    def first_step_noise(record):
+        _, mean, std = loop.step_logprob(record, 0, (0, 4))
+        return (record.sample[:, 0] - mean) / std
+
+    assert max_abs_diff(first_step_noise(rec), first_step_noise(rec_own)) < 1e-3
+    assert torch.equal(shared_loop.score(rec), rec.old_logp)
+
+
 # ----------------------------------------------------------------------------- seeded determinism
 
 

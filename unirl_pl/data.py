@@ -188,6 +188,9 @@ class PromptDataModule(pl.LightningDataModule):
         images_per_refinement: M, images rendered per text sample (M > 1 with the hierarchical scheme).
         val_batch_size: Prompts per validation / prediction batch.
         seed: Seed of the prompt order and of every sample's randomness.
+        val_seed: Seed of the validation and prediction samples' randomness (null: ``seed``). Fixing it
+            scores runs of different seeds on the same noise, so their validation scores differ only by
+            what training did (a paired comparison, as the ablation needs).
     """
 
     def __init__(
@@ -201,6 +204,7 @@ class PromptDataModule(pl.LightningDataModule):
         images_per_refinement: int = 1,
         val_batch_size: int = 8,
         seed: int = 0,
+        val_seed: int | None = None,
     ) -> None:
         super().__init__()
         if prompts_per_step < 1:
@@ -215,7 +219,7 @@ class PromptDataModule(pl.LightningDataModule):
         )
         self.prompts_per_step = prompts_per_step
         self.val_batch_size = val_batch_size
-        self.seed = seed
+        self.seed, self.val_seed = seed, val_seed
 
     def _world(self) -> tuple[int, int]:
         trainer = self.trainer
@@ -234,7 +238,8 @@ class PromptDataModule(pl.LightningDataModule):
 
     def _fixed(self, prompts: list[str]) -> DataLoader:
         rank, world = self._world()
-        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, self.seed)
+        seed = self.seed if self.val_seed is None else self.val_seed
+        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed)
         return DataLoader(shard, batch_size=1, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:

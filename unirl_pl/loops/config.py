@@ -26,6 +26,11 @@ class RolloutConfig:
         micro_batch_size: Images per DiT forward in rollout and in the recompute (None: all at once).
             Both use the same chunks, which keeps batch-variant kernels from breaking the log-prob identity.
         guidance_scale: Classifier-free guidance scale (1.0 disables it; >1 also runs an empty prompt).
+        shared_start_noise: Every sample of a request starts from the initial noise of the request's
+            sample 0 (the SDE steps still draw their own noise). The start is not an action of either
+            policy, so with it shared the rewards within a group differ only by the refinement and the
+            trained SDE steps: a cleaner advantage for both experts. Sample 0, and so the serve path,
+            is unchanged.
     """
 
     max_new_tokens: int = 16
@@ -37,6 +42,7 @@ class RolloutConfig:
     sde_window: tuple[int, int] = (0, 3)
     micro_batch_size: int | None = None
     guidance_scale: float = 1.0
+    shared_start_noise: bool = False
 
     def __post_init__(self) -> None:
         start, end = self.sde_window

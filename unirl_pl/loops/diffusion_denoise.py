@@ -84,12 +84,19 @@ class DiffusionDenoise:
         steps = self._step_counts(n, num_steps, end if sde else 1)
         table = sigma_table(steps, cfg.shift)
         gens_all = sample_generators(seed, request_ids, sample_indices, STREAM_NOISE)
+        # Each sample draws its own start first either way, so its generator's later (SDE) draws do not
+        # depend on the setting; a shared start then replaces it with the one of the request's sample 0.
+        starts = [torch.randn(self.generator.latent_shape, generator=g) for g in gens_all]
+        if cfg.shared_start_noise:
+            firsts = sample_generators(seed, request_ids, [0] * n, STREAM_NOISE)
+            pairs = zip(starts, sample_indices, firsts, strict=True)
+            starts = [s if k == 0 else torch.randn(s.shape, generator=g) for s, k, g in pairs]
         device = next(iter(cond.values())).device
         chunks = chunk_bounds(n, cfg.micro_batch_size)
         latents, prevs, samples, logps = [], [], [], []
         for a, b in chunks:
             gens = gens_all[a:b]
-            x = torch.stack([torch.randn(self.generator.latent_shape, generator=g) for g in gens]).to(device)
+            x = torch.stack(starts[a:b]).to(device)
             sig, counts, c_cond = table[a:b], steps[a:b], cond_rows(cond, slice(a, b))
             c_prev, c_sample, c_logp = [], [], []
             for i in range(agree_max(max(counts), device)):
