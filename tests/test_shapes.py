@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from unirl_pl.rewards import resolve_reward
 from unirl_pl.rewards.shapes import ShapesGenEval, shapes_geneval
 from unirl_pl.shapes import (
     CATEGORIES,
@@ -345,6 +346,31 @@ def test_verifier_ignores_unmentioned_objects() -> None:
     )
     assert verify(parse_caption("two red circles"), image).strict
     assert not verify(parse_caption("three red circles"), image).strict
+
+
+def test_penalize_extra_fails_a_scene_with_an_object_it_does_not_name() -> None:
+    spec = parse_caption("a red circle")
+    two = draw([Placement("red", "circle", 2, 2, 9), Placement("red", "circle", 20, 20, 9)])
+    one = draw([Placement("red", "circle", 2, 2, 9)])
+    # GenEval semantics (the default): a second copy is ignored, so asking for one cannot hurt.
+    assert verify(spec, two).strict and "scene/no_extra" not in verify(spec, two).constraints
+    extra = verify(spec, two, penalize_extra=True)
+    assert not extra.strict and extra.constraints["scene/no_extra"] is False
+    assert extra.soft == pytest.approx(3 / 4)  # color, shape and exists hold; no_extra does not
+    assert verify(spec, one, penalize_extra=True).strict
+    # Counting: exactly the named objects pass; one more of another kind fails only with the penalty.
+    pair = [Placement("red", "circle", 2, 2, 9), Placement("red", "circle", 20, 2, 9)]
+    assert verify(parse_caption("two red circles"), draw(pair), penalize_extra=True).strict
+    crowded = draw([*pair, Placement("blue", "square", 2, 20, 9)])
+    assert verify(parse_caption("two red circles"), crowded).strict
+    assert not verify(parse_caption("two red circles"), crowded, penalize_extra=True).strict
+    # Through the reward, as a recipe sets it: model.reward_args: {shapes_geneval: {penalize_extra: true}}.
+    images = torch.from_numpy(np.stack([two, one])).permute(0, 3, 1, 2).float() / 255
+    prompts = ["a red circle", "a red circle"]
+    assert resolve_reward("shapes_geneval", {"penalize_extra": True})(prompts, prompts, images) == [0.75, 1.0]
+    assert resolve_reward("shapes_geneval")(prompts, prompts, images) == [1.0, 1.0]
+    strict_breakdown = ShapesGenEval(penalize_extra=True).breakdown(prompts, images)
+    assert strict_breakdown["strict/overall"] == (0.5, 2)
 
 
 def test_verifier_rejects_turned_triangle_and_black() -> None:

@@ -38,9 +38,9 @@ def _images_to_numpy(images: torch.Tensor, n: int) -> np.ndarray:
     return images.detach().to(device="cpu", dtype=torch.float32).clamp(0, 1).permute(0, 2, 3, 1).numpy()
 
 
-def _verdicts(prompts: list[str], images: torch.Tensor) -> list[Verdict]:
+def _verdicts(prompts: list[str], images: torch.Tensor, penalize_extra: bool = False) -> list[Verdict]:
     arrays = _images_to_numpy(images, len(prompts))
-    return [verify(_cached_spec(p), img) for p, img in zip(prompts, arrays, strict=True)]
+    return [verify(_cached_spec(p), img, penalize_extra=penalize_extra) for p, img in zip(prompts, arrays, strict=True)]
 
 
 class ShapesGenEval:
@@ -49,12 +49,18 @@ class ShapesGenEval:
     ``score="soft"`` returns the fraction of the scene's constraints that hold (a dense RL signal);
     ``score="strict"`` returns 1.0 only when all hold (GenEval's accuracy). ``per_category`` gives
     both as means per GenEval category for validation metrics.
+
+    Args:
+        score: ``soft`` or ``strict``, as above.
+        penalize_extra: Add the constraint that the image holds no more objects than the scene names.
+            GenEval (and the default) ignores unnamed objects outside counting, which a refiner can
+            exploit by asking for extra copies of an object ("a circle and a circle" for "a circle").
     """
 
-    def __init__(self, score: str = "soft") -> None:
+    def __init__(self, score: str = "soft", penalize_extra: bool = False) -> None:
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-        self.score = score
+        self.score, self.penalize_extra = score, penalize_extra
 
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
         """Score ``images`` (float (N, 3, H, W) in [0, 1]) against ``prompts``; ``refined_prompts`` is unused.
@@ -64,7 +70,7 @@ class ShapesGenEval:
         """
         if len(refined_prompts) != len(prompts):
             raise ValueError(f"got {len(refined_prompts)} refined prompts for {len(prompts)} prompts")
-        verdicts = _verdicts(prompts, images)
+        verdicts = _verdicts(prompts, images, self.penalize_extra)
         if self.score == "strict":
             return [float(v.strict) for v in verdicts]
         return [float(v.soft) for v in verdicts]
@@ -75,7 +81,7 @@ class ShapesGenEval:
         Counts let a caller average exactly over batches of different composition. Categories absent
         from the batch are left out; ``overall`` is the mean over images, matching the reward mean.
         """
-        verdicts = _verdicts(prompts, images)
+        verdicts = _verdicts(prompts, images, self.penalize_extra)
         groups: dict[str, list[Verdict]] = defaultdict(list)
         for prompt, verdict in zip(prompts, verdicts, strict=True):
             groups[_cached_spec(prompt).category].append(verdict)

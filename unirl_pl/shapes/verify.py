@@ -204,13 +204,17 @@ def relation_holds(a: Detection, b: Detection, relation: str, margin: float) -> 
     raise ValueError(f"unknown relation {relation!r}")
 
 
-def check(spec: SceneSpec, detections: list[Detection], image_size: tuple[int, int]) -> dict[str, bool]:
+def check(
+    spec: SceneSpec, detections: list[Detection], image_size: tuple[int, int], penalize_extra: bool = False
+) -> dict[str, bool]:
     """Evaluate every constraint of ``spec`` against detections; keys name the object and the test.
 
     Per object group ``X`` (its noun, e.g. ``red circle``): ``X/color`` some object has the color,
     ``X/shape`` some object has the shape (both only when a color is named), then ``X/exists`` at
     least one object matches both, or for counting ``X/count`` exactly ``count`` match. Position
     scenes add ``relation/<relation>``: some matching pair satisfies the relation by centroids.
+    Objects the scene does not name are ignored (GenEval's semantics) unless ``penalize_extra``
+    adds ``scene/no_extra``: no more objects in the image than the scene names in all.
     """
     constraints: dict[str, bool] = {}
     for obj in spec.objects:
@@ -230,11 +234,19 @@ def check(spec: SceneSpec, detections: list[Detection], image_size: tuple[int, i
         constraints[f"relation/{spec.relation}"] = any(
             relation_holds(a, b, spec.relation, margin) for a in first for b in second if a is not b
         )
+    if penalize_extra:
+        constraints["scene/no_extra"] = len(detections) <= sum(obj.count for obj in spec.objects)
     return constraints
 
 
-def verify(spec: SceneSpec, image: np.ndarray, tol: float = DEFAULT_TOL, min_area: int | None = None) -> Verdict:
-    """Check one image (uint8 or float [0, 1], HWC or CHW) against a scene spec.
+def verify(
+    spec: SceneSpec,
+    image: np.ndarray,
+    tol: float = DEFAULT_TOL,
+    min_area: int | None = None,
+    penalize_extra: bool = False,
+) -> Verdict:
+    """Check one image (uint8 or float [0, 1], HWC or CHW) against a scene spec (``penalize_extra``: see ``check``).
 
     Returns a Verdict whose ``strict`` is True only when every constraint holds and whose ``soft`` is
     the fraction of constraints that hold (see ``check`` for the constraint names), a denser reward
@@ -242,6 +254,6 @@ def verify(spec: SceneSpec, image: np.ndarray, tol: float = DEFAULT_TOL, min_are
     """
     img = as_float_hwc(image)
     detections = detect(img, tol, min_area)
-    constraints = check(spec, detections, img.shape[:2])
+    constraints = check(spec, detections, img.shape[:2], penalize_extra)
     passed = sum(constraints.values())
     return Verdict(passed == len(constraints), passed / len(constraints), constraints, tuple(detections))
