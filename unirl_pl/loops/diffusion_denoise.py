@@ -88,9 +88,12 @@ class DiffusionDenoise:
         # depend on the setting; a shared start then replaces it with the one of the request's sample 0.
         starts = [torch.randn(self.generator.latent_shape, generator=g) for g in gens_all]
         if cfg.shared_start_noise:
-            firsts = sample_generators(seed, request_ids, [0] * n, STREAM_NOISE)
-            pairs = zip(starts, sample_indices, firsts, strict=True)
-            starts = [s if k == 0 else torch.randn(s.shape, generator=g) for s, k, g in pairs]
+            # One draw per request (its sample 0's start, whether or not sample 0 is in this batch).
+            ids = sorted(set(request_ids))
+            gens_first = sample_generators(seed, ids, [0] * len(ids), STREAM_NOISE)
+            shape = self.generator.latent_shape
+            first = {r: torch.randn(shape, generator=g) for r, g in zip(ids, gens_first, strict=True)}
+            starts = [first[r] for r in request_ids]
         device = next(iter(cond.values())).device
         chunks = chunk_bounds(n, cfg.micro_batch_size)
         latents, prevs, samples, logps = [], [], [], []
