@@ -42,14 +42,14 @@ def test_commands_fit_per_mode_and_validate_with_a_logger_for_base(tmp_path):
     assert "--trainer.logger=lightning.pytorch.loggers.CSVLogger" in base, "validate logs only when asked"
     assert not any(a.startswith("--trainer.callbacks.dirpath") for a in base)
     start = build_command("r.yaml", "base_no_refiner", 3, tmp_path)
-    assert start[3] == "validate" and "--model.mode=generator_only" in start, "where generator_only starts"
+    assert start[3] == "validate" and "--model.llm=null" in start, "the DiT alone, on the user's prompts"
     # An extra split scores the fit's last checkpoint, or the starting weights for a base row.
     vocab = Path("v.jsonl")
     fit_v = build_command("r.yaml", "joint", 3, tmp_path, split=("vocabulary", vocab))
     assert fit_v[3] == "validate" and f"--ckpt_path={tmp_path / 'ckpt' / 'joint_s3' / 'last.ckpt'}" in fit_v
     assert f"--data.val_prompts={vocab}" in fit_v and "--trainer.logger.init_args.name=joint_s3_vocabulary" in fit_v
     start_v = build_command("r.yaml", "base_no_refiner", 3, tmp_path, split=("vocabulary", vocab))
-    assert "--model.mode=generator_only" in start_v and not any(a.startswith("--ckpt_path") for a in start_v)
+    assert "--model.llm=null" in start_v and not any(a.startswith("--ckpt_path") for a in start_v)
 
 
 def test_read_validation_takes_the_last_validation_and_counts_rl_steps(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import read_metrics, run_cli
-from unirl_pl.card import Card, CardError
+from unirl_pl.card import LOOPS, MODES, Card, CardError
 from unirl_pl.data import PromptDataModule, _PromptStream, load_prompts
 from unirl_pl.experts import TextEncoderExpert
 from unirl_pl.method import AdvantageConfig, GroupLayout, check_scheme
@@ -23,6 +23,9 @@ def test_unified_card_binds_two_experts_and_validates_every_mode():
     assert card.trained_components("joint") == ["llm", "transformer"]
     assert card.trained_components("prompt_only") == ["llm"]
     assert card.trained_components("generator_only") == ["transformer"]
+    # Every mode runs every loop the card declares; a card without a refiner runs none.
+    assert all(card.runs_loop(mode, loop) for mode in MODES for loop in LOOPS)
+    assert not Card.unified(has_llm=False).runs_loop("generator_only", "ar_decode")
 
 
 def test_card_rejects_undeclared_components_missing_loops_and_bad_modes():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.helpers import read_metrics, run_cli, series
+from unirl_pl.data import PromptBatch
 from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert
 
 
@@ -47,14 +48,15 @@ def test_prompt_only_learns_a_refiner_reward_and_keeps_the_dit_frozen(tmp_path):
 
 
 @pytest.mark.slow
-def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, monkeypatch):
+def test_generator_only_without_a_refiner_learns_an_image_reward_and_never_runs_an_lm(tmp_path, monkeypatch):
     def never(*args, **kwargs):
-        raise AssertionError("generator_only ran the LM")
+        raise AssertionError("generator_only without a refiner ran an LM")
 
     monkeypatch.setattr(CausalLMExpert, "forward", never)
     cli = run_cli(
         tmp_path,
         "--model.mode=generator_only",
+        "--model.llm=null",
         "--trainer.max_steps=40",
         *COMMON,
         "--model.rewards={brightness: 1.0}",
@@ -64,8 +66,27 @@ def test_generator_only_learns_an_image_reward_and_never_runs_the_lm(tmp_path, m
     reward = series(rows, "reward/mean")
     # Brightness through the tiny random VAE moves by ~0.02 over 40 steps; the per-step noise is ~0.003.
     assert _rise(reward) > 0.01, reward
+    assert cli.model.llm is None and "version/llm" not in set().union(*rows)
+
+
+def test_generator_only_trains_the_dit_behind_the_frozen_refiners_greedy_rewrites(tmp_path):
+    cli = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=2", *COMMON)
+    model, dm = cli.model, cli.datamodule
+    # The refiner ran (every mode runs the whole pipeline) but never learned.
     assert _same(_fresh(CausalLMExpert), cli.model.llm.state_dict())
-    assert set(series(rows, "version/llm")) == {0.0}
+    assert set(series(read_metrics(cli), "version/llm")) == {0.0}
+    assert not _same(_lora(_fresh(FlowTransformerExpert)), _lora(model.generator.transformer.state_dict()))
+    prompts = ["a red circle", "a blue square"]
+    exp = model.source.collect(PromptBatch(prompts, [0, 1], seed=dm.seed, layout=dm.layout), model.device)
+    assert "ar_decode" not in exp.records  # no LM record: nothing of the LM is trained
+    k, skip = dm.layout.samples_per_prompt, dm.layout.num_skip_refinement
+    assert 0 < skip < k, "the tiny recipe must have both raw and refined samples for this test"
+    served, _ = model.ar_decode.sample(prompts, [0, 1], [0, 0], "serve", seed=dm.seed)
+    for i, prompt in enumerate(prompts):
+        group = exp.refined[i * k : (i + 1) * k]
+        # Raw samples keep the user's prompt; every refined sample is the served (greedy) rewrite.
+        assert group[:skip] == [prompt] * skip
+        assert group[skip:] == [served[i]] * (k - skip), (group, served[i])
 
 
 @pytest.mark.slow

@@ -36,6 +36,7 @@ from unirl_pl.shapes import (
 )
 from unirl_pl.shapes import prompts as P
 from unirl_pl.shapes.render import Placement, draw
+from unirl_pl.shapes.scenes import requested_objects
 
 OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 
@@ -371,6 +372,39 @@ def test_penalize_extra_fails_a_scene_with_an_object_it_does_not_name() -> None:
     assert resolve_reward("shapes_geneval")(prompts, prompts, images) == [1.0, 1.0]
     strict_breakdown = ShapesGenEval(penalize_extra=True).breakdown(prompts, images)
     assert strict_breakdown["strict/overall"] == (0.5, 2)
+
+
+def test_requested_objects_counts_the_shape_nouns_a_caption_asks_for() -> None:
+    assert requested_objects("a circle") == 1
+    assert requested_objects("a circle below a circle") == 2
+    assert requested_objects("three red squares") == 3 and requested_objects("two circles") == 2
+    assert requested_objects("a red circle and a blue square") == 2
+    assert requested_objects("squares") == 2  # a plural without a count word asks for at least two
+    # A user's synonyms are not canonical shape nouns: raw prompts ask for nothing countable.
+    assert requested_objects("please draw two discs") == 0
+
+
+def test_penalize_requested_extra_zeroes_a_rewrite_asking_for_more_than_the_user() -> None:
+    one = draw([Placement("red", "circle", 2, 2, 9)])
+    two = draw([Placement("red", "circle", 2, 2, 9), Placement("red", "circle", 20, 20, 9)])
+    images = torch.from_numpy(np.stack([one, two, two, one])).permute(0, 3, 1, 2).float() / 255
+    prompts = ["one crimson disc"] * 4
+    refined = ["a red circle", "a red circle and a red circle", "a red circle", "one crimson disc"]
+    plain = resolve_reward("shapes_geneval")(prompts, refined, images)
+    assert plain == [1.0, 1.0, 1.0, 1.0]  # GenEval semantics: the doubled rewrite costs nothing
+    guarded = resolve_reward("shapes_geneval", {"penalize_requested_extra": True})
+    # Only the rewrite that asked for a second circle loses its reward; the DiT's stray copy (row 2, an
+    # honest rewrite) and the unrefined prompt (row 3) keep theirs.
+    assert guarded(prompts, refined, images) == [1.0, 0.0, 1.0, 1.0]
+    assert ShapesGenEval("strict", penalize_requested_extra=True)(prompts, refined, images) == [1.0, 0.0, 1.0, 1.0]
+    # Counting: asking for exactly the named count is not an extra.
+    three, red = ["three red circles"], images[1:2]  # two red circles: soft 2/3, whatever the rewrite
+    assert guarded(three, ["three red circles"], red) == resolve_reward("shapes_geneval")(three, three, red)
+    assert guarded(three, ["three red circles"], red)[0] > 0
+    assert guarded(three, ["three red circles and a circle"], red) == [0.0]
+    # Validation's breakdown has no refined prompts: it stays the image check.
+    guarded_term = ShapesGenEval(penalize_requested_extra=True)
+    assert guarded_term.breakdown(prompts, images) == ShapesGenEval().breakdown(prompts, images)
 
 
 def test_verifier_rejects_turned_triangle_and_black() -> None:

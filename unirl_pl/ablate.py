@@ -4,12 +4,12 @@ Each (mode, seed) is one run in a fresh subprocess of this CLI, so runs share no
 threads) and a crash ends only that run:
 
 - ``joint``, ``prompt_only``, ``generator_only``: ``fit`` with ``--model.mode=<mode>``;
-- ``base`` and ``base_no_refiner`` (no RL): ``validate`` of the recipe's starting weights in mode
-  ``joint`` (refiner in front of the DiT: where ``joint`` and ``prompt_only`` start) and
-  ``generator_only`` (the DiT on the user's prompt: where ``generator_only`` starts), with the
-  CSVLogger given on the command line so it writes a ``metrics.csv``. Their scores equal those of a
-  fit's validation with untrained weights (a fit with both learning rates 0, checked against it, logs
-  identical held-out metrics).
+- ``base`` and ``base_no_refiner`` (no RL): ``validate`` of the recipe's starting weights, with the
+  refiner in front of the DiT (``base``: where all three training modes start, since every mode runs
+  the whole pipeline and differs only in which experts learn) and without it (``base_no_refiner``,
+  ``--model.llm=null``: what the refiner is worth), with the CSVLogger given on the command line so it
+  writes a ``metrics.csv``. Their scores equal those of a fit's validation with untrained weights (a
+  fit with both learning rates 0, checked against it, logs identical held-out metrics).
 
 Every run gets ``--seed_everything=<s> --data.seed=<s>``, its own logger folder
 ``<out>/runs/<mode>_s<seed>/version_N`` and (fit) checkpoint folder ``<out>/ckpt/<mode>_s<seed>``;
@@ -43,8 +43,11 @@ from pathlib import Path
 from typing import Any
 
 MODES: tuple[str, ...] = ("base", "base_no_refiner", "joint", "prompt_only", "generator_only")
-# No-RL rows: the recipe's starting weights validated in the mode whose start they are.
-BASE_MODES: dict[str, str] = {"base": "joint", "base_no_refiner": "generator_only"}
+# No-RL rows: the recipe's starting weights, validated with these overrides.
+BASE_MODES: dict[str, tuple[str, ...]] = {
+    "base": ("--model.mode=joint",),
+    "base_no_refiner": ("--model.mode=generator_only", "--model.llm=null"),
+}
 DEFAULT_EXTRA_VAL = ("vocabulary", Path(__file__).resolve().parent / "assets" / "shapes" / "prompts_vocabulary.jsonl")
 PROG = "python -m unirl_pl ablate"
 # A smoke setting: two RL steps, a validation after each, one small held-out batch, short rollouts.
@@ -145,7 +148,7 @@ def build_command(
     if split is not None:
         # Score the finished run on another prompt file: the fit's last checkpoint (base: the start).
         split_name, prompts = split
-        head = ["validate", "--config", config, f"--model.mode={BASE_MODES.get(mode, mode)}", *common]
+        head = ["validate", "--config", config, *BASE_MODES.get(mode, (f"--model.mode={mode}",)), *common]
         if mode not in BASE_MODES:
             head.append(f"--ckpt_path={out / 'ckpt' / name / 'last.ckpt'}")
         head += [f"--data.val_prompts={prompts}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
@@ -154,9 +157,8 @@ def build_command(
         return [sys.executable, "-m", "unirl_pl", *head, *(QUICK if quick else ()), *extra]
     if mode in BASE_MODES:
         # validate keeps a logger only when the command line gives one (cli.UniRLCLI); no RL, so the
-        # recipe's starting weights: with the refiner in front (base, mode joint) or without it
-        # (base_no_refiner, mode generator_only: where generator_only starts).
-        head = ["validate", "--config", config, f"--model.mode={BASE_MODES[mode]}", *common]
+        # recipe's starting weights, with the refiner in front (base) or without it (base_no_refiner).
+        head = ["validate", "--config", config, *BASE_MODES[mode], *common]
         head += ["--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
     else:
         head = ["fit", "--config", config, f"--model.mode={mode}", *common]
@@ -326,9 +328,9 @@ def write_markdown(
         "Each cell is `mean ± std` over seeds of the held-out score at the run's last validation "
         "(std: sample standard deviation, n - 1; `–` with a single seed). Strict = every constraint of "
         "the scene holds (GenEval accuracy); soft = fraction of constraints that hold. `base` = the "
-        "recipe's starting weights validated before any RL step with the refiner in front of the DiT (where "
-        "`joint` and `prompt_only` start); `base_no_refiner` = the same without the refiner (where "
-        "`generator_only` starts).",
+        "recipe's starting weights validated before any RL step, refiner in front of the DiT (where every "
+        "mode starts: all run the whole pipeline and differ only in which experts learn); "
+        "`base_no_refiner` = the same DiT on the user's prompts, no refiner.",
     ]
     for split, label in split_names(runs, main).items():
         note = " (the recipe's validation prompts)" if not split else " (scored after each run)"

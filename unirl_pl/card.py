@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 LOOPS = ("ar_decode", "diffusion_denoise")
 MODES = ("joint", "prompt_only", "generator_only")
-# Which loops each mode runs, and which loops' experts it trains.
+# Which loops each mode needs, and which loops' experts it trains. A loop the card declares but the mode
+# does not train still runs, frozen: the mode says what learns, the card says what the pipeline is.
 _MODE_LOOPS = {
     "joint": ({"ar_decode", "diffusion_denoise"}, {"ar_decode", "diffusion_denoise"}),
     "prompt_only": ({"ar_decode", "diffusion_denoise"}, {"ar_decode"}),
@@ -86,5 +87,6 @@ class Card:
         return experts[0]
 
     def runs_loop(self, mode: str, loop: str) -> bool:
-        """Whether ``mode`` runs ``loop`` at all (``generator_only`` never runs ``ar_decode``)."""
-        return loop in _MODE_LOOPS[mode][0]
+        """Whether ``mode`` runs ``loop``: every loop it needs, plus any other loop the card declares
+        (``generator_only`` on a card with a refiner runs ``ar_decode`` frozen; on one without, not at all)."""
+        return loop in _MODE_LOOPS[mode][0] or loop in self.loops

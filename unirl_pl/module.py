@@ -64,9 +64,10 @@ class UniRLModule(pl.LightningModule):
             ``WanGenerator``). Its transformer is the ``transformer`` expert.
         llm: The prompt-refiner LM expert (None for a generator-only card).
         pipeline_path: A diffusers pipeline folder for a family generator (overrides its ``pipeline_path``).
-        mode: ``joint`` trains both experts; ``prompt_only`` trains the LM and samples the frozen generator
-            with the ODE; ``generator_only`` never runs (or changes) the LM and trains the generator on the
-            original prompts.
+        mode: Which experts learn; every configured expert runs. ``joint`` trains both; ``prompt_only``
+            trains the LM and samples the frozen generator with the ODE; ``generator_only`` trains the
+            generator behind the frozen LM (greedy rewrites, exactly as served), or on the user's prompts
+            when ``llm`` is null (Flow-GRPO without a refiner).
         rollout: How both loops sample (tokens, steps, SDE window, micro-batches, guidance).
         rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward. Required.
         reward_args: Reward name -> keyword arguments for rewards that take some.

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from unirl_pl.shapes.prompts import make_prompt_set, paraphrase
 from unirl_pl.shapes.render import DEFAULT_SIZE, render_batch
-from unirl_pl.shapes.scenes import caption, sample_scene
+from unirl_pl.shapes.scenes import COLORS, caption, sample_scene
 
 # Renders of step i use seed ``seed * _STRIDE + i``; the stride keeps different seeds' streams apart.
 _STRIDE = 10_000_000
@@ -34,11 +34,25 @@ def scene_batch(seed: int, step: int, batch_size: int, size: int = DEFAULT_SIZE,
     return {"images": images, "captions": [caption(s) for s in specs]}
 
 
-def pair_batch(seed: int, step: int, batch_size: int) -> dict[str, Any]:
-    """Batch ``step`` of (train-split paraphrase, canonical caption) pairs as ``prompts``/``captions``."""
+def uncolored(text: str) -> str:
+    """``text`` without its color words: ``a red circle left of a blue square`` -> ``a circle left of a square``."""
+    return " ".join(word for word in text.split() if word not in COLORS)
+
+
+def pair_batch(seed: int, step: int, batch_size: int, drop_colors: float = 0.0) -> dict[str, Any]:
+    """Batch ``step`` of (train-split paraphrase, canonical caption) pairs as ``prompts``/``captions``.
+
+    With ``drop_colors`` > 0 that fraction of pairs gets its caption without color words (``uncolored``);
+    the choice draws from its own stream, so the prompts and the other captions do not change with it.
+    """
     rng = np.random.default_rng((seed, step))
     specs = [sample_scene(rng) for _ in range(batch_size)]
-    return {"prompts": [paraphrase(s, rng, "train") for s in specs], "captions": [caption(s) for s in specs]}
+    prompts = [paraphrase(s, rng, "train") for s in specs]
+    captions = [caption(s) for s in specs]
+    if drop_colors > 0:
+        drop = np.random.default_rng((seed, step, 1)).random(batch_size) < drop_colors
+        captions = [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
+    return {"prompts": prompts, "captions": captions}
 
 
 class _Stream(IterableDataset):
@@ -134,6 +148,12 @@ class ParaphraseDataModule(_PretrainData):
         val_seed: Seed of the held-out prompt set.
         val_split: Split of the validation prompts: ``composition`` (held-out compositions and
             templates, train words), ``vocabulary`` (unseen words) or ``train``.
+        drop_colors: Fraction of training pairs whose target caption leaves out its color words
+            (``uncolored``): a systematic labeling error. Above one half, a refiner trained on it drops
+            the colors of most colored prompts when decoding greedily and names them (mostly right) in
+            the rest of its samples: one mistake, shared by every prompt with a color, which the reward
+            punishes and RL can undo, and which the generator cannot repair (the color is gone from its
+            caption). Validation captions keep their colors.
     """
 
     def __init__(
@@ -143,8 +163,12 @@ class ParaphraseDataModule(_PretrainData):
         val_prompts: int = 60,
         val_seed: int = 1000,
         val_split: str = "composition",
+        drop_colors: float = 0.0,
     ) -> None:
         super().__init__(batch_size, seed, val_prompts, val_seed, val_split)
+        if not 0.0 <= drop_colors <= 1.0:
+            raise ValueError(f"drop_colors must be in [0, 1], got {drop_colors}")
+        self.drop_colors = drop_colors
 
     def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
-        return pair_batch(seed, step, batch_size)
+        return pair_batch(seed, step, batch_size, self.drop_colors)

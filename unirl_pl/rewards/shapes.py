@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from unirl_pl.shapes.prompts import spec_of
-from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec
+from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec, requested_objects
 from unirl_pl.shapes.verify import Verdict, verify
 
 SCORES: tuple[str, ...] = ("soft", "strict")
@@ -55,12 +55,19 @@ class ShapesGenEval:
         penalize_extra: Add the constraint that the image holds no more objects than the scene names.
             GenEval (and the default) ignores unnamed objects outside counting, which a refiner can
             exploit by asking for extra copies of an object ("a circle and a circle" for "a circle").
+            This image check also fails the generator's own stray shapes.
+        penalize_requested_extra: Score 0 for a sample whose refined prompt asks for more objects than
+            the user's prompt names (``requested_objects``): the same exploit, checked on the text the
+            refiner wrote, so the generator's stray shapes cost nothing. It only ever lowers a reward,
+            and only in ``__call__`` (the RL reward); ``breakdown``, which validation reports, has no
+            refined prompts and stays the GenEval-style image check.
     """
 
-    def __init__(self, score: str = "soft", penalize_extra: bool = False) -> None:
+    def __init__(self, score: str = "soft", penalize_extra: bool = False, penalize_requested_extra: bool = False) -> None:
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score, self.penalize_extra = score, penalize_extra
+        self.penalize_requested_extra = penalize_requested_extra
 
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
         """Score ``images`` (float (N, 3, H, W) in [0, 1]) against ``prompts``; ``refined_prompts`` is unused.
@@ -71,9 +78,11 @@ class ShapesGenEval:
         if len(refined_prompts) != len(prompts):
             raise ValueError(f"got {len(refined_prompts)} refined prompts for {len(prompts)} prompts")
         verdicts = _verdicts(prompts, images, self.penalize_extra)
-        if self.score == "strict":
-            return [float(v.strict) for v in verdicts]
-        return [float(v.soft) for v in verdicts]
+        scores = [float(v.strict) if self.score == "strict" else float(v.soft) for v in verdicts]
+        if self.penalize_requested_extra:
+            named = [sum(obj.count for obj in _cached_spec(p).objects) for p in prompts]
+            scores = [0.0 if requested_objects(r) > n else s for s, r, n in zip(scores, refined_prompts, named, strict=True)]
+        return scores
 
     def breakdown(self, prompts: list[str], images: torch.Tensor) -> dict[str, tuple[float, int]]:
         """``{key: (mean, count)}`` of strict and soft scores per category and overall (``strict/counting``).

@@ -156,6 +156,24 @@ def _parse_object(words: list[str], i: int, text: str) -> tuple[ObjectSpec, int]
     return ObjectSpec(color, shape, count), i + 1
 
 
+def requested_objects(text: str) -> int:
+    """How many objects a caption-like text asks for: each shape noun counts once if singular, and as its
+    count word (``two``, ``three``; 2 if none) if plural. Words that are not canonical shape nouns count
+    nothing, so a user's synonyms (``disc``, ``boxes``) add nothing.
+
+    ``requested_objects("a circle below a circle")`` is 2; ``requested_objects("three red squares")`` is 3.
+    """
+    words = text.split()
+    total = 0
+    for i, word in enumerate(words):
+        if word in SHAPES:
+            total += 1
+        elif word in _SINGULARS:
+            before = [_WORD_COUNTS[w] for w in words[max(0, i - 2) : i] if w in _WORD_COUNTS]
+            total += before[-1] if before and before[-1] > 1 else 2
+    return total
+
+
 def _category_of(objects: tuple[ObjectSpec, ...], relation: str | None) -> str:
     """Infer the category from the caption's structure (the inverse of the table in the module doc)."""
     if relation is not None:
