@@ -63,7 +63,9 @@ class ShapesGenEval:
             refined prompts and stays the GenEval-style image check.
     """
 
-    def __init__(self, score: str = "soft", penalize_extra: bool = False, penalize_requested_extra: bool = False) -> None:
+    def __init__(
+        self, score: str = "soft", penalize_extra: bool = False, penalize_requested_extra: bool = False
+    ) -> None:
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score, self.penalize_extra = score, penalize_extra
@@ -81,7 +83,9 @@ class ShapesGenEval:
         scores = [float(v.strict) if self.score == "strict" else float(v.soft) for v in verdicts]
         if self.penalize_requested_extra:
             named = [sum(obj.count for obj in _cached_spec(p).objects) for p in prompts]
-            scores = [0.0 if requested_objects(r) > n else s for s, r, n in zip(scores, refined_prompts, named, strict=True)]
+            scores = [
+                0.0 if requested_objects(r) > n else s for s, r, n in zip(scores, refined_prompts, named, strict=True)
+            ]
         return scores
 
     def breakdown(self, prompts: list[str], images: torch.Tensor) -> dict[str, tuple[float, int]]:
