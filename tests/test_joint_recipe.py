@@ -44,14 +44,14 @@ def test_default_recipe_runs_offline_and_its_held_out_score_rises(tmp_path):
         assert _column(rows, key), f"metrics.csv has no {key}"
     assert len(_column(rows, "reward/mean")) == 40
     # Both held-out validations (composition split, 120 prompts, the same noise as validate's) beat the
-    # untrained experts: measured soft 0.752 before RL, 0.779 and 0.824 after steps 20 and 40; strict
-    # 0.500, then 0.533 and 0.633. The training reward mixes refined and unrefined samples under SDE
-    # noise and prompts of varying difficulty, and is flat over these 40 steps.
+    # untrained experts: measured soft 0.602 before RL, 0.748 and 0.752 after steps 20 and 40; strict
+    # 0.367, then 0.492 and 0.492. The training reward mixes refined and unrefined samples under SDE
+    # noise and prompts of varying difficulty, so it is not the measure.
     (base_soft,) = _column(base, "val/shapes_geneval/soft/overall")
     (base_strict,) = _column(base, "val/shapes_geneval/strict/overall")
     held_out = _column(rows, "val/shapes_geneval/soft/overall")
-    assert len(held_out) == 2 and min(held_out) > base_soft + 0.01, (base_soft, held_out)
-    assert _column(rows, "val/shapes_geneval/strict/overall")[-1] > base_strict + 0.05
+    assert len(held_out) == 2 and min(held_out) > base_soft + 0.05, (base_soft, held_out)
+    assert _column(rows, "val/shapes_geneval/strict/overall")[-1] > base_strict + 0.08
     assert max(_column(rows, "c2/llm_max_abs_diff")) <= 1e-5
     assert max(_column(rows, "c2/transformer_max_abs_diff")) == 0.0
     assert all(abs(r - 1) <= 1e-5 for r in _column(rows, "transformer/ratio_mean"))

@@ -405,7 +405,7 @@ def draw_plot(path: Path, runs: list[Run], modes: list[str], size: tuple[int, in
     from PIL import Image, ImageDraw
 
     width, height = size
-    left, right, top, bottom = 84, 190, 56, 64
+    left, right, top, bottom = 84, 230, 56, 64
     img = Image.new("RGBA", size, "white")
     draw = ImageDraw.Draw(img)
     title_font, font, small = _font(20), _font(15), _font(13)
