@@ -72,7 +72,8 @@ class ShapesGenEval:
         self.penalize_requested_extra = penalize_requested_extra
 
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
-        """Score ``images`` (float (N, 3, H, W) in [0, 1]) against ``prompts``; ``refined_prompts`` is unused.
+        """Score ``images`` (float (N, 3, H, W) in [0, 1]) against ``prompts``; ``refined_prompts`` only ever
+        lowers a score (``penalize_requested_extra``).
 
         Returns N floats in [0, 1]. Raises ValueError when lengths disagree or a prompt is not a
         ShapesWorld prompt.
@@ -82,7 +83,7 @@ class ShapesGenEval:
         verdicts = _verdicts(prompts, images, self.penalize_extra)
         scores = [float(v.strict) if self.score == "strict" else float(v.soft) for v in verdicts]
         if self.penalize_requested_extra:
-            named = [sum(obj.count for obj in _cached_spec(p).objects) for p in prompts]
+            named = [_cached_spec(p).num_objects for p in prompts]
             scores = [
                 0.0 if requested_objects(r) > n else s for s, r, n in zip(scores, refined_prompts, named, strict=True)
             ]

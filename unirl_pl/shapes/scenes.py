@@ -77,6 +77,11 @@ class SceneSpec:
     relation: str | None
     category: str
 
+    @property
+    def num_objects(self) -> int:
+        """How many objects the scene names in all (counts included)."""
+        return sum(obj.count for obj in self.objects)
+
     def __post_init__(self) -> None:
         problem = _category_problem(self)
         if problem is not None:

@@ -235,7 +235,7 @@ def check(
             relation_holds(a, b, spec.relation, margin) for a in first for b in second if a is not b
         )
     if penalize_extra:
-        constraints["scene/no_extra"] = len(detections) <= sum(obj.count for obj in spec.objects)
+        constraints["scene/no_extra"] = len(detections) <= spec.num_objects
     return constraints
 
 
