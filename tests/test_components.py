@@ -140,6 +140,8 @@ def test_bad_scheme_and_layout_settings_are_refused():
         PromptDataModule(prompts_per_step=0)
     with pytest.raises(ValueError, match="val_batch_size"):
         PromptDataModule(val_batch_size=0)
+    with pytest.raises(ValueError, match="val_images_per_prompt"):
+        PromptDataModule(val_images_per_prompt=0)
 
 
 def test_val_seed_fixes_validation_noise_and_leaves_training_to_seed():
@@ -153,6 +155,24 @@ def test_val_seed_fixes_validation_noise_and_leaves_training_to_seed():
     assert seeds(seed=3) == (3, [3, 3], [3, 3])  # null: the run's seed everywhere
     assert seeds(seed=3, val_seed=0) == (3, [0, 0], [0, 0])
     assert seeds(seed=5, val_seed=0)[1:] == seeds(seed=3, val_seed=0)[1:]
+
+
+def test_val_images_per_prompt_scores_every_prompt_on_that_many_noises():
+    prompts = ["a red circle", "a blue square", "two cyan triangles"]
+
+    def flat(loader):
+        batches = list(loader)
+        return [q for b in batches for q in b.prompts], [i for b in batches for i in b.request_ids]
+
+    one = PromptDataModule(prompts=prompts, val_prompts=prompts, val_batch_size=2, val_seed=0)
+    four = PromptDataModule(prompts=prompts, val_prompts=prompts, val_batch_size=2, val_seed=0, val_images_per_prompt=4)
+    assert flat(one.val_dataloader()) == (prompts, [-1, -2, -3])
+    texts, ids = flat(four.val_dataloader())
+    assert texts == prompts * 4
+    # Every image its own request id (its own noise); the first of each prompt is the single-image draw.
+    assert sorted(ids, reverse=True) == list(range(-1, -13, -1))
+    assert ids[:3] == [-1, -2, -3]
+    assert flat(four.predict_dataloader()) == flat(one.predict_dataloader())  # predict: one image a prompt
 
 
 def test_group_layout_index_math():

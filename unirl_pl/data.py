@@ -187,6 +187,11 @@ class PromptDataModule(pl.LightningDataModule):
         num_skip_refinement: Of each prompt's K samples, how many keep the original prompt unrefined.
         images_per_refinement: M, images rendered per text sample (M > 1 with the hierarchical scheme).
         val_batch_size: Prompts per validation / prediction batch.
+        val_images_per_prompt: Images scored per held-out prompt in validation, each from its own noise;
+            the scores are means over all of them. GenEval scores 4 per prompt: one image makes a
+            comparison of two runs hinge on a single noise draw per prompt. Image ``c`` of prompt ``j``
+            (of N) has request id ``-1 - (c*N + j)``, so the first image of every prompt is the one a
+            single-image validation draws. Prediction renders one image per prompt.
         seed: Seed of the prompt order and of every sample's randomness.
         val_seed: Seed of the validation and prediction samples' randomness (null: ``seed``). Fixing it
             scores runs of different seeds on the same noise, so their validation scores differ only by
@@ -203,6 +208,7 @@ class PromptDataModule(pl.LightningDataModule):
         num_skip_refinement: int = 1,
         images_per_refinement: int = 1,
         val_batch_size: int = 8,
+        val_images_per_prompt: int = 1,
         seed: int = 0,
         val_seed: int | None = None,
     ) -> None:
@@ -211,6 +217,8 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
         if val_batch_size < 1:
             raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
+        if val_images_per_prompt < 1:
+            raise ValueError(f"val_images_per_prompt must be >= 1, got {val_images_per_prompt}")
         self.layout = GroupLayout(samples_per_prompt, num_skip_refinement, images_per_refinement)
         self.train_prompts = load_prompts(prompts)
         self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)
@@ -218,7 +226,7 @@ class PromptDataModule(pl.LightningDataModule):
             load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
         )
         self.prompts_per_step = prompts_per_step
-        self.val_batch_size = val_batch_size
+        self.val_batch_size, self.val_images_per_prompt = val_batch_size, val_images_per_prompt
         self.seed, self.val_seed = seed, val_seed
 
     def _world(self) -> tuple[int, int]:
@@ -243,7 +251,8 @@ class PromptDataModule(pl.LightningDataModule):
         return DataLoader(shard, batch_size=1, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:
-        return self._fixed(self.val_prompt_list)
+        # Copy-major: the list's index is the request id, so copy c of prompt j draws its own noise.
+        return self._fixed(self.val_prompt_list * self.val_images_per_prompt)
 
     def predict_dataloader(self) -> DataLoader:
         return self._fixed(self.predict_prompt_list)
