@@ -299,7 +299,7 @@ class Floor:
             lap("text_encode")
 
             # ---- denoise: ODE outside the window, SDE with log-prob inside
-            sigmas = flow_sigmas(cfg.num_steps, cfg.shift).tolist()
+            sigmas = flow_sigmas(cfg.num_steps, cfg.shift or 1.0).tolist()
             w0, w1 = cfg.sde_window
             x = torch.randn(n, *self.gen.latent_shape, generator=g)
             prev, sample, old_dit_logp = [], [], []

@@ -9,12 +9,14 @@ loops are :mod:`unirl_pl.loops`, the conditioning :mod:`unirl_pl.conditioning`, 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
@@ -36,7 +38,7 @@ from unirl_pl.distributed import agree_max, shard_experts, token_loss_weight
 from unirl_pl.evaluation import serve, validation_scores
 from unirl_pl.experts import CausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
-from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
+from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig, write_schedule
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
@@ -191,6 +193,16 @@ class UniRLModule(pl.LightningModule):
         )
         loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
         self.policy = PolicyLosses(self.card, loops, self.experts(), self.loss_settings)
+
+    def on_fit_start(self) -> None:
+        # trainer.log_dir is a collective (a broadcast): read it on every rank, write on rank 0 only.
+        assert self.diffusion_denoise is not None, "configure_model() builds the loops"
+        run_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+        described = write_schedule(self.diffusion_denoise, run_dir, self.trainer.is_global_zero)
+        sigmas = ", ".join(f"{s:.4g}" for s in described["sigmas"])
+        message = f"Sampling schedule: {described['source']}; sigmas [{sigmas}]; SDE steps {described['sde_steps']}"
+        # A recipe's shift that replaces the pipeline's own schedule is worth a warning, not a footnote.
+        (rank_zero_warn if "overriding" in described["source"] else rank_zero_info)(message)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         opts = []

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
 from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
+from unirl_pl.generators.schedule import Schedule, read_scheduler_config, scheduler_from_config, scheduler_sigmas
 from unirl_pl.records import Cond
 
 LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
@@ -90,8 +91,11 @@ class FlowGenerator(torch.nn.Module, ABC):
         max_sequence_length: Tokens of the T5-style text encoder (padded and truncated to exactly this);
             ``None`` means the family's pipeline default.
         lora_init: ``gaussian`` or ``default`` (Kaiming-uniform ``A``); both start with ``B = 0``.
-        vae_dtype: Dtype of the VAE; ``None`` means ``dtype``.
+        vae_dtype: Dtype of the VAE; ``None`` means ``dtype``. Flow-GRPO decodes FLUX and Wan in float32.
         init_seed: Seed of the LoRA initialization (drawn without disturbing the global RNG).
+        vae_slicing: Decode one sample at a time (diffusers' ``enable_slicing``): the decode's peak memory
+            no longer grows with the batch, and a sample's pixels cannot depend on its batch.
+        vae_tiling: Decode in overlapping spatial tiles (diffusers' ``enable_tiling``) for large sizes.
     """
 
     family: ClassVar[str]
@@ -117,6 +121,8 @@ class FlowGenerator(torch.nn.Module, ABC):
         lora_init: str = "gaussian",
         vae_dtype: str | None = None,
         init_seed: int = 0,
+        vae_slicing: bool = False,
+        vae_tiling: bool = False,
     ) -> None:
         super().__init__()
         check_lora_args(lora_rank, lora_alpha, lora_target_modules)
@@ -149,9 +155,11 @@ class FlowGenerator(torch.nn.Module, ABC):
         self.max_sequence_length = max_sequence_length
         self.lora_init = lora_init
         self.init_seed = init_seed
+        self.vae_slicing, self.vae_tiling = vae_slicing, vae_tiling
         self.model: ModelMixin | None = None
         self.vae: ModelMixin | None = None
         self._latent_shape: tuple[int, ...] | None = None
+        self._schedules: dict[int, Schedule] = {}
 
     # ------------------------------------------------------------------ family hooks
 
@@ -180,6 +188,36 @@ class FlowGenerator(torch.nn.Module, ABC):
 
     def _check_index(self, index: dict[str, Any]) -> None:
         """Reject pipeline variants this generator does not support (before anything is loaded)."""
+
+    def _schedule_kwargs(self, num_steps: int, scheduler_config: dict[str, Any]) -> dict[str, Any]:
+        """The extra ``set_timesteps`` arguments the family's pipeline passes (``sigmas``, ``mu``) for
+        ``num_steps`` at this generator's sample size; none by default."""
+        return {}
+
+    # ------------------------------------------------------------------ the schedule
+
+    def schedule(self, num_steps: int) -> Schedule:
+        """The ``num_steps`` sigmas the family's diffusers pipeline samples with at this sample size, from
+        the folder's own scheduler config (works before ``build()``); see :mod:`unirl_pl.generators.schedule`."""
+        cached = self._schedules.get(num_steps)
+        if cached is None:
+            config = read_scheduler_config(self._folder())
+            # The pipeline instantiates the class model_index.json names for its scheduler, whatever the
+            # scheduler config's own _class_name says.
+            entry = read_model_index(self._folder()).get("scheduler")
+            if has_component({"scheduler": entry}, "scheduler"):
+                config = {**config, "_class_name": entry[1]}
+            kwargs = self._schedule_kwargs(num_steps, config)
+            sigmas = scheduler_sigmas(scheduler_from_config(config), num_steps, **kwargs)
+            keys = ("shift", "flow_shift", "use_dynamic_shifting", "shift_terminal")
+            knobs = {k: config[k] for k in keys if config.get(k) is not None}
+            details = {"scheduler": config.get("_class_name"), **knobs}
+            if kwargs.get("mu") is not None:
+                details["mu"] = float(kwargs["mu"])
+            described = ", ".join(f"{k}={v}" for k, v in details.items() if k != "scheduler")
+            source = f"{config.get('_class_name')}({described}) of {self.pipeline_path}"
+            cached = self._schedules[num_steps] = Schedule(sigmas, source, details)
+        return cached
 
     # ------------------------------------------------------------------ loading
 
@@ -272,6 +310,10 @@ class FlowGenerator(torch.nn.Module, ABC):
             )
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
+        if self.vae_slicing:
+            self.vae.enable_slicing()
+        if self.vae_tiling:
+            self.vae.enable_tiling()
         self.model = model
 
     def _require_built(self) -> ModelMixin:

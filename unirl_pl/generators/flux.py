@@ -9,6 +9,7 @@ from diffusers import FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, T5EncoderModel
 
 from unirl_pl.generators.base import JOINT_ATTENTION_LORA_TARGETS, Cond, ImageFlowGenerator
+from unirl_pl.generators.schedule import pipeline_shift
 
 
 class FluxGenerator(ImageFlowGenerator):
@@ -45,6 +46,16 @@ class FluxGenerator(ImageFlowGenerator):
 
     def _grid_multiple(self, transformer_config: dict[str, Any]) -> int:
         return 2
+
+    def _schedule_kwargs(self, num_steps: int, scheduler_config: dict[str, Any]) -> dict[str, Any]:
+        # FluxPipeline's own choice: sigmas linspace(1, 1/N, N) (the scheduler's flow sigmas if it has
+        # them) and mu from the packed image sequence length; schnell's scheduler ignores mu (no dynamic shift).
+        _, height, width = self.latent_shape
+        sigmas = None
+        if not scheduler_config.get("use_flow_sigmas"):
+            sigmas = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64).tolist()
+        mu = pipeline_shift(scheduler_config, (height // 2) * (width // 2), 1.15)
+        return {"sigmas": sigmas, "mu": mu if scheduler_config.get("use_dynamic_shifting") else None}
 
     def _load_text(self, index: dict[str, Any]) -> None:
         self.tokenizer = self._load_tokenizer("tokenizer")

@@ -9,6 +9,7 @@ from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
 from unirl_pl.generators.base import JOINT_ATTENTION_LORA_TARGETS, Cond, ImageFlowGenerator, has_component
+from unirl_pl.generators.schedule import pipeline_shift
 
 
 class SD3Generator(ImageFlowGenerator):
@@ -34,6 +35,15 @@ class SD3Generator(ImageFlowGenerator):
 
     def _grid_multiple(self, transformer_config: dict[str, Any]) -> int:
         return int(transformer_config["patch_size"])
+
+    def _schedule_kwargs(self, num_steps: int, scheduler_config: dict[str, Any]) -> dict[str, Any]:
+        # StableDiffusion3Pipeline passes mu only for a dynamically shifting scheduler (SD3.5 ships a fixed
+        # shift of 3.0), from the number of patch tokens of the latent image.
+        if not scheduler_config.get("use_dynamic_shifting"):
+            return {}
+        _, height, width = self.latent_shape
+        patch = int(self.read_config("transformer")["patch_size"])
+        return {"mu": pipeline_shift(scheduler_config, (height // patch) * (width // patch), 1.16)}
 
     def _load_text(self, index: dict[str, Any]) -> None:
         self.tokenizer = self._load_tokenizer("tokenizer")

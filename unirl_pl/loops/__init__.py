@@ -3,6 +3,14 @@ training: ``ar_decode`` (the refiner's tokens) and ``diffusion_denoise`` (the fl
 
 from unirl_pl.loops.ar_decode import ARDecode
 from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
-from unirl_pl.loops.diffusion_denoise import DiffusionDenoise
+from unirl_pl.loops.diffusion_denoise import SCHEDULE_FILE, DiffusionDenoise, write_schedule
 
-__all__ = ["ARDecode", "DiffusionDenoise", "Profile", "RolloutConfig", "chunk_bounds"]
+__all__ = [
+    "SCHEDULE_FILE",
+    "ARDecode",
+    "DiffusionDenoise",
+    "Profile",
+    "RolloutConfig",
+    "chunk_bounds",
+    "write_schedule",
+]

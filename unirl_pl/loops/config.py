@@ -20,7 +20,10 @@ class RolloutConfig:
         temperature: LM sampling temperature in the ``rollout`` profile (the recompute applies the same).
         top_k: Keep only the k most likely tokens when sampling (None: the full vocabulary).
         num_steps: Denoising steps of the flow sampler.
-        shift: SD3-style schedule shift (1.0 is linear).
+        shift: SD3-style schedule shift ``s' = shift*s / (1 + (shift-1)*s)`` of ``linspace(1, 0)``. ``None``
+            (the default): the generator's own schedule, i.e. a family pipeline's scheduler config exactly as
+            its diffusers pipeline computes it (shift, dynamic shift from the image size, terminal sigma),
+            or linear for the project's own generator. A value overrides the pipeline (logged at fit start).
         noise_level: Flow-GRPO's SDE noise scale ``a`` inside the window (0 is the ODE).
         sde_window: ``[start, end)`` step indices run as SDE and trained; ODE elsewhere.
         micro_batch_size: Images per DiT forward in rollout and in the recompute (None: all at once).
@@ -37,7 +40,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int | None = None
     num_steps: int = 8
-    shift: float = 1.0
+    shift: float | None = None
     noise_level: float = 0.7
     sde_window: tuple[int, int] = (0, 3)
     micro_batch_size: int | None = None
@@ -60,7 +63,7 @@ class RolloutConfig:
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {self.micro_batch_size}")
         if self.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
-        if self.shift <= 0:
+        if self.shift is not None and self.shift <= 0:
             raise ValueError(f"shift must be > 0, got {self.shift}")
         if self.guidance_scale < 0:
             raise ValueError(f"guidance_scale must be >= 0 (1.0 disables guidance), got {self.guidance_scale}")

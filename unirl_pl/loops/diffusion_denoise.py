@@ -9,25 +9,41 @@ The loop is generator-agnostic: it needs ``latent_shape`` and ``velocity(latents
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from unirl_pl.distributed import agree_max
+from unirl_pl.generators.schedule import Schedule
 from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
 from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
 from unirl_pl.sampling import flow_sde_step_with_logprob, flow_sigmas, ode_step
 from unirl_pl.seeding import STREAM_NOISE, sample_generators
 
+SCHEDULE_FILE = "schedule.json"
 
-def sigma_table(steps: Sequence[int], shift: float) -> Tensor:
-    """(N, max(steps) + 1) float64: row i is sample i's schedule, zero-padded past its end (never read)."""
+
+def write_schedule(loop: DiffusionDenoise, run_dir: Path, write: bool = True) -> dict[str, Any]:
+    """``loop.describe()``, saved as ``run_dir/schedule.json`` when ``write`` (rank 0), so a user can
+    compare the sigmas sampled with against their pipeline's."""
+    described = loop.describe()
+    if write:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / SCHEDULE_FILE).write_text(json.dumps(described, indent=2) + "\n")
+    return described
+
+
+def sigma_table(steps: Sequence[int], sigmas: Callable[[int], Tensor]) -> Tensor:
+    """(N, max(steps) + 1) float64: row i is sample i's schedule ``sigmas(steps[i])``, zero-padded past its
+    end (never read)."""
     table = torch.zeros(len(steps), max(steps) + 1, dtype=torch.float64)
     for count in set(steps):
         rows = [i for i, c in enumerate(steps) if c == count]
-        table[rows, : count + 1] = flow_sigmas(count, shift)
+        table[rows, : count + 1] = sigmas(count)
     return table
 
 
@@ -41,6 +57,36 @@ class DiffusionDenoise:
 
     def __init__(self, generator: Any, config: RolloutConfig) -> None:
         self.generator, self.config = generator, config
+
+    def schedule(self, num_steps: int) -> Schedule:
+        """The schedule sampled with for ``num_steps`` steps: ``rollout.shift`` when set, else the generator's
+        own (a family pipeline's scheduler), else linear."""
+        shift = self.config.shift
+        own = getattr(self.generator, "schedule", None)
+        if shift is None and own is not None:
+            return own(num_steps)
+        if shift is None:
+            return Schedule(flow_sigmas(num_steps, 1.0), "linear (the generator has no pipeline scheduler)")
+        source = f"model.rollout.shift={shift}"
+        if own is not None:
+            source += f", overriding the pipeline's {own(num_steps).source}"
+        return Schedule(flow_sigmas(num_steps, shift), source, {"shift": shift})
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """The ``num_steps + 1`` float64 sigmas of :meth:`schedule`."""
+        return self.schedule(num_steps).sigmas
+
+    def describe(self) -> dict[str, Any]:
+        """What ``schedule.json`` holds: the configured step count's sigmas, the SDE (trained) step indices
+        and the schedule's source."""
+        schedule = self.schedule(self.config.num_steps)
+        start, end = self.config.sde_window
+        return {
+            "sigmas": schedule.sigmas.tolist(),
+            "sde_steps": list(range(start, end)) if self.config.noise_level > 0 else [],
+            "source": schedule.source,
+            **({"details": schedule.details} if schedule.details else {}),
+        }
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
         """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on.
@@ -82,7 +128,7 @@ class DiffusionDenoise:
         start, end = cfg.sde_window
         sde = profile == "rollout" and cfg.noise_level > 0
         steps = self._step_counts(n, num_steps, end if sde else 1)
-        table = sigma_table(steps, cfg.shift)
+        table = sigma_table(steps, self.sigmas)
         gens_all = sample_generators(seed, request_ids, sample_indices, STREAM_NOISE)
         # Each sample draws its own start first either way, so its generator's later (SDE) draws do not
         # depend on the setting; a shared start then replaces it with the one of the request's sample 0.

@@ -1,0 +1,109 @@
+"""The sigma schedule a diffusers pipeline samples with, computed by the pipeline folder's own scheduler.
+
+A family pipeline does not sample on ``linspace(1, 0)``: SD3.5's ``FlowMatchEulerDiscreteScheduler``
+shifts the sigmas (shift 3.0), FLUX.1-dev shifts them by ``mu``, a function of the image sequence length
+(dynamic shifting), and Wan's ``UniPCMultistepScheduler`` uses flow sigmas with ``flow_shift``. Rather
+than re-deriving those formulas, the schedule here is read off the scheduler class the folder names in
+``scheduler/scheduler_config.json``, after ``set_timesteps`` with exactly the arguments the pipeline
+passes (the family supplies them: ``mu``, custom ``sigmas``). The Flow-GRPO sampler then steps on
+these sigmas (Euler / SDE), whatever solver the pipeline itself would use between them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import diffusers
+import torch
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from torch import Tensor
+
+SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
+# A first sigma this close to 1 is 1: the start is pure noise (see ``scheduler_sigmas``).
+FIRST_SIGMA_SNAP = 1e-5
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A sampling schedule: ``num_steps + 1`` float64 sigmas from 1 down to 0 and where they came from.
+
+    Args:
+        sigmas: The sigmas, first 1.0 (pure noise), last 0.0 (the clean sample).
+        source: A human-readable origin, e.g. ``FlowMatchEulerDiscreteScheduler(shift=3.0) of /models/sd35``.
+        details: The scheduler arguments that shaped it (``mu``, ``shift`` ...), for ``schedule.json``.
+    """
+
+    sigmas: Tensor
+    source: str
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def read_scheduler_config(folder: str | Path) -> dict[str, Any]:
+    """The scheduler config of a pipeline folder; ``FileNotFoundError`` naming the file when absent."""
+    file = Path(folder) / SCHEDULER_CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{str(file)!r} is missing: the pipeline folder has no scheduler to take the schedule from"
+        )
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{str(file)!r} is not a JSON scheduler config: {err}") from None
+
+
+def scheduler_from_config(config: dict[str, Any]) -> Any:
+    """Instantiate the diffusers scheduler class ``config["_class_name"]`` from ``config``."""
+    name = config.get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    if cls is None or not hasattr(cls, "set_timesteps"):
+        raise ValueError(f"scheduler class {name!r} is not a diffusers scheduler")
+    return cls.from_config(config)
+
+
+def scheduler_sigmas(
+    scheduler: Any, num_steps: int, *, sigmas: list[float] | None = None, mu: float | None = None
+) -> Tensor:
+    """``scheduler.sigmas`` after ``set_timesteps`` called as the diffusers pipelines call it
+    (``retrieve_timesteps``: custom ``sigmas`` replace ``num_inference_steps``; ``mu`` only where the
+    scheduler takes it), as float64 (N + 1,); a first sigma within ``FIRST_SIGMA_SNAP`` of 1 becomes 1.
+    Raises ``ValueError`` when the result is not a flow schedule from 1 to 0 with ``num_steps`` steps
+    (e.g. a scheduler that inverts or repeats sigmas)."""
+    accepted = set(inspect.signature(scheduler.set_timesteps).parameters)
+    kwargs: dict[str, Any] = {"device": "cpu"}
+    if mu is not None and "mu" in accepted:
+        kwargs["mu"] = mu
+    if sigmas is not None and "sigmas" in accepted:
+        scheduler.set_timesteps(sigmas=sigmas, **kwargs)
+    else:
+        scheduler.set_timesteps(num_steps, **kwargs)
+    out = torch.as_tensor(scheduler.sigmas).to(torch.float64).flatten()
+    name = type(scheduler).__name__
+    if 0 < 1.0 - float(out[0]) <= FIRST_SIGMA_SNAP:
+        # UniPC's flow sigmas start at 1 - 1e-6 in float32. Both the pipeline and this sampler start from
+        # pure noise; Flow-GRPO's SDE variance uses its sigma_max substitute only at exactly 1, and at
+        # 1 - 1e-6 the std would be ~1000x the noise level.
+        out[0] = 1.0
+    if out.numel() != num_steps + 1:
+        raise ValueError(f"{name} gave {out.numel()} sigmas for {num_steps} steps (expected {num_steps + 1})")
+    if float(out[0]) != 1.0 or float(out[-1]) != 0.0 or bool((out[1:] > out[:-1]).any()):
+        raise ValueError(f"{name} gave sigmas {out.tolist()}: the sampler needs a decreasing schedule from 1 to 0")
+    return out
+
+
+def pipeline_shift(scheduler_config: dict[str, Any], image_seq_len: int, default_max_shift: float) -> float:
+    """``mu`` of dynamic shifting for ``image_seq_len`` latent tokens, by diffusers' own ``calculate_shift``
+    with the scheduler config's ``base/max_image_seq_len`` and ``base/max_shift`` (the default of
+    ``max_shift`` differs by pipeline: 1.15 in FLUX, 1.16 in SD3)."""
+    return float(
+        calculate_shift(
+            image_seq_len,
+            scheduler_config.get("base_image_seq_len", 256),
+            scheduler_config.get("max_image_seq_len", 4096),
+            scheduler_config.get("base_shift", 0.5),
+            scheduler_config.get("max_shift", default_max_shift),
+        )
+    )
