@@ -189,6 +189,11 @@ def parse_reply(reply: str, prompt: str, fmt: ChatFormat) -> tuple[str, bool]:
     return text, False
 
 
+def is_end_of_turn(token: str) -> bool:
+    """Whether ``token`` (a tokenizer's added token) is a marker that ends a reply's turn."""
+    return _END_OF_TURN.fullmatch(token) is not None
+
+
 def fallback_fraction(flags: list[bool]) -> float:
     """Fraction of replies that fell back to the user prompt (0.0 for no replies), a health metric:
     a rising value means the refiner stopped producing parseable prompts."""

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from unirl_pl.experts._common import check_divisible, check_positive, seeded_cpu_init
 from unirl_pl.experts.base import LoRAExpert
-from unirl_pl.experts.chat import ChatFormat, format_requests, parse_reply
+from unirl_pl.experts.chat import ChatFormat, format_requests, is_end_of_turn, parse_reply
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
 from unirl_pl.manifest import verify_assets
 
@@ -186,8 +186,39 @@ class CausalLMExpert(LoRAExpert):
 
     @property
     def eos_token_id(self) -> int:
-        """Id that ends a generated refinement."""
+        """The tokenizer's end-of-sequence id (one of ``stop_token_ids``)."""
         return int(self._require_tokenizer().eos_token_id)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Every id that ends a generated refinement: the tokenizer's EOS and all of the checkpoint's
+        ``generation_config.eos_token_id`` (an instruct model such as Qwen2.5-Instruct lists both
+        ``<|im_end|>`` and ``<|endoftext|>``, and its tokenizer's EOS may be only one of them)."""
+        ids = [self.eos_token_id]
+        config = getattr(self._require_built(), "generation_config", None)
+        listed = getattr(config, "eos_token_id", None)
+        ids += [listed] if isinstance(listed, int) else list(listed or [])
+        return sorted({int(i) for i in ids})
+
+    def reply_texts(self, tokens: torch.Tensor, live: torch.Tensor) -> list[str]:
+        """The text of each generated row up to (not including) its first end token, special tokens dropped.
+
+        End tokens are the stop ids and, for an instruct LM, every added token that marks the end of a turn
+        (:func:`~unirl_pl.experts.chat.is_end_of_turn`: ``<|im_end|>`` in a checkpoint whose stop ids
+        lack it, say): the cut is made on token ids, before decoding strips the special tokens.
+        """
+        tokenizer = self._require_tokenizer()
+        ends = set(self.stop_token_ids)
+        if self.chat is not None and self.chat.use_chat_template:
+            ends |= {int(i) for token, i in tokenizer.get_added_vocab().items() if is_end_of_turn(token)}
+        end_ids = torch.tensor(sorted(ends), device=tokens.device)
+        texts = []
+        for row, mask in zip(tokens, live, strict=True):
+            kept = row[mask]
+            cut = torch.isin(kept, end_ids).nonzero()
+            kept = kept[: int(cut[0])] if len(cut) else kept
+            texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+        return texts
 
     def tokenize_requests(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Left-padded ``input_ids`` and ``attention_mask`` of what the refiner reads for each prompt.

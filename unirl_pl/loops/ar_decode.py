@@ -38,8 +38,9 @@ def positions(mask: Tensor) -> Tensor:
 
 
 class ARDecode:
-    """The ``ar_decode`` loop over one causal-LM expert (anything with ``tokenizer``, ``eos_token_id``,
-    ``pad_token_id`` and a ``forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)``).
+    """The ``ar_decode`` loop over one causal-LM expert (anything with ``stop_token_ids``, ``pad_token_id``,
+    ``reply_texts``, ``parse_replies``, ``tokenize_requests`` and a
+    ``forward(input_ids, attention_mask, position_ids, past_key_values, use_cache)``).
 
     Args:
         llm: The refiner expert.
@@ -75,7 +76,7 @@ class ARDecode:
         temperature = 1.0 if greedy else cfg.temperature
         top_k = None if greedy else cfg.top_k
         keys = sample_keys(seed, request_ids, sample_indices, STREAM_LM, device)
-        eos, pad = llm.eos_token_id, llm.pad_token_id
+        stops, pad = torch.tensor(llm.stop_token_ids, device=device), llm.pad_token_id
 
         cache = DynamicCache()
         out = llm(
@@ -93,7 +94,7 @@ class ARDecode:
             live.append(~finished)
             logps.append(logp_all.gather(-1, tok_t[:, None])[:, 0])
             tokens.append(tok_t)
-            finished = finished | (tok_t == eos)
+            finished = finished | torch.isin(tok_t, stops)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             # Stop only when every rank's sequences have ended: sharded forwards must stay in step.
             if step == cfg.max_new_tokens - 1 or not agree_max(int(not bool(finished.all())), device):
@@ -119,7 +120,7 @@ class ARDecode:
             top_k=top_k,
             version=version,
         )
-        replies = [llm.tokenizer.decode(g[m], skip_special_tokens=True) for g, m in zip(gen, gen_mask, strict=True)]
+        replies = llm.reply_texts(gen, gen_mask)
         texts, record.fell_back = llm.parse_replies(replies, list(prompts))
         return texts, record
 
