@@ -32,7 +32,15 @@ class FluxGenerator(ImageFlowGenerator):
     family = "flux"
     pipeline_class = FluxPipeline
     transformer_class = FluxTransformer2DModel
-    default_lora_targets = JOINT_ATTENTION_LORA_TARGETS
+    # Flow-GRPO's FLUX targets: the joint attention plus both streams' feed-forward projections of the
+    # double blocks ("ff." does not match the single blocks' proj_mlp/proj_out).
+    default_lora_targets = (
+        *JOINT_ATTENTION_LORA_TARGETS,
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    )
     default_max_sequence_length = 512
 
     def __init__(self, pipeline_path: str | None, guidance_scale: float = 3.5, **kwargs: Any) -> None:
