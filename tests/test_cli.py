@@ -1,5 +1,6 @@
 """The CLI end to end on the default recipe, and bad input refused before any model is built."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from tests.helpers import TINY, read_metrics, run_cli, series
 from unirl_pl.cli import main
 from unirl_pl.experts import FlowTransformerExpert
+from unirl_pl.sampling import flow_sigmas
 
 REQUIRED = [
     "reward/mean",
@@ -39,6 +41,11 @@ def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
     assert series(rows, "version/llm") == [1.0, 2.0, 3.0]
     assert series(rows, "version/text_encoder") == [0.0, 0.0, 0.0]
     assert series(rows, "val/reward_mean"), "validation ran on the serve path"
+    # Every fit records the schedule it samples with; the project's own generator samples linearly.
+    schedule = json.loads((Path(cli.trainer.log_dir) / "schedule.json").read_text())
+    cfg = cli.model.rollout_config
+    assert schedule["sigmas"] == flow_sigmas(cfg.num_steps, 1.0).tolist()
+    assert schedule["sde_steps"] == list(range(*cfg.sde_window)) and schedule["source"].startswith("linear")
 
 
 def test_each_optimizer_has_its_own_learning_rate(tmp_path):

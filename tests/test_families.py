@@ -81,6 +81,9 @@ def test_family_recipe_trains_two_steps_with_gates_green_and_predicts(tmp_path, 
     assert series(rows, "parity/max_abs_diff"), "interleave parity ran"
     assert series(rows, "llm/fallback_frac"), "the instruct refiner logs its fallback rate"
     assert cli.model.ledger["transformer"] == 2 and cli.model.ledger["llm"] == 2
+    schedule = json.loads((Path(cli.trainer.log_dir) / "schedule.json").read_text())
+    assert schedule["sigmas"] == cli.model.generator.schedule(4).sigmas.tolist(), "the pipeline's own schedule"
+    assert schedule["sde_steps"] == [0, 1] and "Scheduler(" in schedule["source"]
 
     out = tmp_path / "predict"
     main(
