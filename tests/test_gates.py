@@ -238,7 +238,7 @@ def test_c2_precision_presets_and_warn_action(built, clean_exp, restore_weights)
     model = restore_weights
     assert LogProbIdentityCheck().tolerances(model, "llm") == PRECISION_TOLERANCES["float32"]
     half = LogProbIdentityCheck(precision="bfloat16").tolerances(model, "llm")
-    assert (half.max_abs, half.mean_abs, half.k3, half.action) == (None, 1e-2, 1e-3, "warn")
+    assert (half.max_abs, half.mean_abs, half.k3, half.action) == (None, 1e-2, 1e-3, "raise")
     assert LogProbIdentityCheck(precision="bfloat16", tolerance=0.5).tolerances(model, "llm").max_abs == 0.5
     perturb_lora(model, "llm")
     with pytest.warns(UserWarning, match="C2 log-prob identity failed for expert 'llm'"):

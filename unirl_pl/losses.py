@@ -6,6 +6,7 @@ feeds tensors in.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,47 @@ def clipped_surrogate(
     return loss, ratio, high, low
 
 
+def truncated_importance_weights(old_logp: Tensor, behavior_logp: Tensor, cap: float) -> Tensor:
+    """Truncated importance weights of the rollout/train numerics mismatch: ``min(exp(old - behavior), cap)``.
+
+    ``old_logp`` is the log-prob the trainer recomputes under the weights that produced the sample (before
+    any update), ``behavior_logp`` the one rollout recorded while sampling; their ratio corrects for the
+    sampler's numerics (bf16 kernels, a KV cache, another batch shape) differing from the trainer's. The
+    weight is detached (a fixed per-term coefficient, as in verl's decoupled rollout correction and TRL's
+    TIS) and truncated at ``cap`` so a rare term the sampler under-weighted cannot dominate the gradient;
+    the cap is applied to the log ratio, so a huge mismatch cannot overflow. Equal log-probs give 1.
+    """
+    if cap <= 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    log_ratio = (old_logp.detach() - behavior_logp.detach()).float()
+    return torch.exp(log_ratio.clamp(max=math.log(cap)))
+
+
+def rollout_correction_stats(
+    old_logp: Tensor, behavior_logp: Tensor, mask: Tensor | None, cap: float
+) -> dict[str, Tensor]:
+    """Statistics of the behavior/recompute ratio ``r = exp(old - behavior)`` over the real terms of ``mask``.
+
+    ``ratio_mean`` and ``ratio_max`` are of the untruncated ratio, ``clipped_frac`` the fraction of terms
+    whose weight the cap truncates, ``kl`` the k3 estimate ``r - 1 - log r`` of KL(behavior || recompute)
+    (the samples come from the behavior policy, so this is the direction their mean estimates; >= 0 and 0
+    only where the two agree). All detached float32 scalars; no real term gives a ratio of 1 and zeros.
+    """
+    log_ratio = (old_logp.detach() - behavior_logp.detach()).float()
+    if mask is not None:
+        log_ratio = log_ratio[mask.bool()]
+    if not log_ratio.numel():
+        one, zero = torch.ones(()), torch.zeros(())
+        return {"ratio_mean": one, "ratio_max": one, "clipped_frac": zero, "kl": zero}
+    ratio = torch.exp(log_ratio)
+    return {
+        "ratio_mean": ratio.mean(),
+        "ratio_max": ratio.max(),
+        "clipped_frac": (log_ratio > math.log(cap)).float().mean(),
+        "kl": (ratio - 1 - log_ratio).mean(),
+    }
+
+
 def grpo_token_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -136,16 +178,20 @@ def grpo_token_loss(
     ref_logp: Tensor | None = None,
     clip_eps: float = 0.2,
     beta: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> LossOutput:
     """Token-level GRPO loss for the refiner LM.
 
     ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are (N, T) over generated tokens; ``advantages``
     is (N,), broadcast to every token of its sample. The loss averages over all real tokens of the
     batch (token-level, so long refinements weigh by their length) and adds ``beta`` times the k3
-    KL to the adapter-disabled reference.
+    KL to the adapter-disabled reference. ``is_weights`` (N, T), the detached
+    :func:`truncated_importance_weights`, multiply each token's clipped surrogate (not the KL term).
     """
     mask = mask.to(logp.dtype)
     per_token, ratio, high, low = clipped_surrogate(logp, old_logp, advantages[:, None], clip_eps)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
     pg = _masked_mean(per_token, mask)
     kl = _masked_mean(k3_kl(logp, ref_logp), mask) if ref_logp is not None else logp.new_zeros(())
     loss = pg + beta * kl if ref_logp is not None else pg
@@ -162,14 +208,18 @@ def flow_grpo_loss(
     kl: Tensor | None = None,
     clip_eps: float = 1e-4,
     beta: float = 0.0,
+    is_weights: Tensor | None = None,
 ) -> LossOutput:
     """Flow-GRPO's PPO loss for one denoising step over a batch of (N,) samples.
 
     ``logp``/``old_logp`` are the step's per-sample SDE log-probs, ``kl`` the per-sample
     :func:`unirl_pl.sampling.flow_kl` against the reference; the loss is the batch mean of the
-    clipped surrogate plus ``beta`` times the mean KL.
+    clipped surrogate plus ``beta`` times the mean KL. ``is_weights`` (N,), the detached
+    :func:`truncated_importance_weights` of this step, multiply each sample's clipped surrogate.
     """
     per_sample, ratio, high, low = clipped_surrogate(logp, old_logp, advantages, clip_eps)
+    if is_weights is not None:
+        per_sample = per_sample * is_weights.detach()
     pg = per_sample.mean()
     kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
     loss = pg + beta * kl_mean if kl is not None else pg

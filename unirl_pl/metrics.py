@@ -27,6 +27,12 @@ def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Ten
     }
 
 
+def rollout_correction_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
+    """An expert's rollout-correction statistics (:func:`unirl_pl.losses.rollout_correction_stats`) under
+    ``rollout_corr/<name>_<stat>``: ``ratio_mean``, ``ratio_max``, ``clipped_frac`` and ``kl``."""
+    return {f"rollout_corr/{name}_{key}": value for key, value in stats.items()}
+
+
 def rollout_metrics(
     exp: Experience, versions: dict[str, int], staleness: dict[str, float], hit_rate: float
 ) -> dict[str, Tensor | float]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from unirl_pl.loops import ARDecode, DiffusionDenoise
-from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_token_loss
+from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_token_loss, truncated_importance_weights
 from unirl_pl.records import DiTRecord, LMRecord
 from unirl_pl.sampling import flow_kl
 
@@ -29,13 +30,29 @@ class ExpertLoss:
         clip_eps: PPO ratio clip range ``[1-eps, 1+eps]`` (GRPO uses ~0.2, Flow-GRPO ~1e-4).
         beta: Weight of the KL to the adapter-disabled reference policy (0 skips the reference forward).
         grad_clip: Clip this expert's gradient norm to this value (None: no clipping, norm still logged).
+        rollout_correction: ``off`` anchors the PPO ratio at the behavior log-prob rollout recorded (on-policy
+            by construction: the C2 gate proves the two agree). ``tis`` corrects a numerics mismatch between
+            rollout and training (bf16 kernels, KV-cache decode, other batch shapes) instead: the ratio is
+            anchored at the log-prob the trainer recomputes before any update, and each term's policy loss is
+            weighted by the truncated importance weight ``min(exp(recomputed - behavior), tis_cap)`` (per
+            token for the LM, per SDE step for the DiT), as verl's decoupled rollout correction
+            (``rollout_is: token``) and TRL's ``vllm_importance_sampling_correction`` do. The C2 gate then
+            measures and logs (``rollout_corr/*``) and stops only on a mismatch far beyond numerics.
+        tis_cap: Upper truncation of the importance weight (verl's ``rollout_is_threshold`` and TRL's
+            ``vllm_importance_sampling_cap``, both 2.0 by default); >= 1 so agreeing terms keep weight 1.
     """
 
     clip_eps: float = 0.2
     beta: float = 0.01
     grad_clip: float | None = 1.0
+    rollout_correction: Literal["off", "tis"] = "off"
+    tis_cap: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.rollout_correction not in ("off", "tis"):
+            raise ValueError(f"rollout_correction must be 'off' or 'tis', got {self.rollout_correction!r}")
+        if not self.tis_cap >= 1.0:
+            raise ValueError(f"tis_cap must be >= 1 (agreeing log-probs have weight 1), got {self.tis_cap}")
         if self.clip_eps <= 0:
             raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}")
         if self.beta < 0:
@@ -48,23 +65,47 @@ Reference = Callable[[], AbstractContextManager[None]]
 """A context in which the expert is its reference policy (its adapter disabled)."""
 
 
+def anchor_and_weights(
+    logp: Tensor, behavior: Tensor, settings: ExpertLoss, anchor: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """The PPO ratio's denominator and the importance weights of one loss term.
+
+    Without a rollout correction the denominator is the behavior log-prob and there are no weights. With
+    ``tis`` it is ``anchor`` (the recompute of the first PPO epoch, kept for the later ones) or, on the
+    first epoch, this forward's own detached log-prob (the weights have not moved yet, so it is the "old"
+    policy); the weights are its truncated ratio to the behavior log-prob.
+    """
+    if settings.rollout_correction == "off":
+        return behavior, None
+    old = logp.detach() if anchor is None else anchor
+    return old, truncated_importance_weights(old, behavior, settings.tis_cap)
+
+
 def lm_loss(
-    loop: ARDecode, record: LMRecord, advantages: Tensor, settings: ExpertLoss, reference: Reference
+    loop: ARDecode,
+    record: LMRecord,
+    advantages: Tensor,
+    settings: ExpertLoss,
+    reference: Reference,
+    anchor: Tensor | None = None,
 ) -> LossOutput:
-    """Token-level GRPO of the refiner over the generated tokens of ``record``."""
+    """Token-level GRPO of the refiner over the generated tokens of ``record``; ``anchor`` is the first PPO
+    epoch's recomputed log-probs when a rollout correction is on (see :func:`anchor_and_weights`)."""
     logp = loop.score(record)
     ref = None
     if settings.beta > 0:
         with torch.no_grad(), reference():
             ref = loop.score(record)
+    old, weights = anchor_and_weights(logp, record.old_logp, settings, anchor)
     out = grpo_token_loss(
         logp,
-        record.old_logp,
+        old,
         advantages,
         record.gen_mask,
         ref_logp=ref,
         clip_eps=settings.clip_eps,
         beta=settings.beta,
+        is_weights=weights,
     )
     return replace(out, logp=logp.detach())
 
@@ -76,6 +117,7 @@ def dit_loss(
     settings: ExpertLoss,
     reference: Reference,
     backward: Callable[[Tensor], None] | None = None,
+    anchor: Tensor | None = None,
 ) -> LossOutput:
     """Flow-GRPO of the generator over every recorded SDE step of ``record``.
 
@@ -83,6 +125,7 @@ def dit_loss(
     timesteps. With ``backward`` each (step, micro-batch) term is backpropagated as soon as it is computed
     and its graph freed, so peak memory holds one step's activations whatever the window (the returned
     loss is then detached and marked ``backpropagated``); without it the terms are summed into one graph.
+    ``anchor`` (N, S) is the first PPO epoch's recompute when a rollout correction is on.
     """
     total = record.old_logp.numel()
     parts: list[tuple[float, LossOutput]] = []
@@ -95,8 +138,16 @@ def dit_loss(
             with torch.no_grad(), reference():
                 _, ref_mean, _ = loop.step_logprob(record, step, (a, b))
             kl = flow_kl(mean, ref_mean, std)
+        behavior = record.old_logp[a:b, step]
+        old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
         out = flow_grpo_loss(
-            logp, record.old_logp[a:b, step], advantages[a:b], kl=kl, clip_eps=settings.clip_eps, beta=settings.beta
+            logp,
+            old,
+            advantages[a:b],
+            kl=kl,
+            clip_eps=settings.clip_eps,
+            beta=settings.beta,
+            is_weights=weights,
         )
         weight = (b - a) / total
         if backward is not None:

@@ -7,8 +7,9 @@ losses add. Nothing here names an expert: the card says which loop a component t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from unirl_pl.card import Card
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.losses import LossOutput
 from unirl_pl.method.grpo import ExpertLoss, dit_loss, lm_loss, weighted_loss
-from unirl_pl.records import Experience
+from unirl_pl.records import DiTRecord, Experience, LMRecord
 
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]
 """Component -> (recomputed, behavior, mask) log-probs of its record."""
@@ -33,12 +34,18 @@ class PolicyLosses:
         loops: Loop name -> the built loop (``ar_decode`` may be absent when the mode never runs it).
         experts: Component -> the expert (its ``adapter_disabled`` is the KL reference).
         settings: Component name -> its policy-loss settings (read at every step, so a changed setting applies).
+
+    With a rollout correction on, the first loss call on a record (the first PPO epoch, weights not yet
+    stepped) keeps its recomputed log-probs as the record's "old" log-probs; later calls on the same record
+    (``ppo_epochs > 1``) anchor their ratio and importance weights at them. The record is held by a weak
+    reference only, so a finished step's record is freed as usual.
     """
 
     card: Card
     loops: dict[str, ARDecode | DiffusionDenoise]
     experts: dict[str, Any]
     settings: Callable[[str], ExpertLoss]
+    _anchors: dict[str, tuple[weakref.ref, Tensor]] = field(default_factory=dict, init=False, repr=False)
 
     def loops_with_records(self, name: str, exp: Experience) -> list[str]:
         """The loops component ``name`` trains through that captured a record in ``exp``."""
@@ -49,15 +56,25 @@ class PolicyLosses:
         ``backward`` (peak memory holds one step's graph, not the window's)."""
         outputs = []
         for loop in self.loops_with_records(name, exp):
-            args = (self.loops[loop], exp.records[loop], exp.advantages[loop], self.settings(name))
+            record, settings = exp.records[loop], self.settings(name)
+            args = (self.loops[loop], record, exp.advantages[loop], settings)
             reference = self.experts[name].adapter_disabled
+            anchor = self.anchor(loop, record)
             if loop == "diffusion_denoise":
-                outputs.append(dit_loss(*args, reference, backward=backward))
+                out = dit_loss(*args, reference, backward=backward, anchor=anchor)
             else:
-                outputs.append(lm_loss(*args, reference))
+                out = lm_loss(*args, reference, anchor=anchor)
+            if settings.rollout_correction != "off" and anchor is None and out.logp is not None:
+                self._anchors[loop] = (weakref.ref(record), out.logp)
+            outputs.append(out)
         if not outputs:
             return None
         return outputs[0] if len(outputs) == 1 else sum_losses(outputs)
+
+    def anchor(self, loop: str, record: LMRecord | DiTRecord) -> Tensor | None:
+        """The log-probs the first loss call on ``record`` recomputed (None before it, or for another record)."""
+        kept = self._anchors.get(loop)
+        return kept[1] if kept is not None and kept[0]() is record else None
 
     def logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> LogProbs:
         """The log-probs the losses were built from, with the records' behavior log-probs and masks."""
