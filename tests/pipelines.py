@@ -184,43 +184,95 @@ def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int
     return Path(path)
 
 
-def make_wan_pipeline(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny Wan2.1-style ``WanPipeline`` (UMT5 width 32, a causal 3D VAE with 4x spatial and 2x
-    temporal compression and 4 latent channels, a one-layer ``WanTransformer3DModel``) and return it."""
+def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
+    """A one-layer ``WanTransformer3DModel`` (patch (1, 2, 2), width 24, text width 32); seed the caller."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=in_channels,
+        out_channels=in_channels,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=1,
+        rope_max_seq_len=32,
+    )
+
+
+# A Wan2.1-style causal 3D VAE: 4x spatial and 2x temporal compression, 4 latent channels.
+_WAN21_VAE = {
+    "base_dim": 8,
+    "z_dim": 4,
+    "dim_mult": [1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True],
+    "latents_mean": [0.1, -0.2, 0.3, 0.0],
+    "latents_std": [1.5, 0.5, 2.0, 1.0],
+    "scale_factor_temporal": 2,
+    "scale_factor_spatial": 4,
+}
+
+
+def _save_wan(
+    path: str | Path, seed: int, vae: dict, *, in_channels: int = 4, two_experts: bool = False, **config: object
+) -> Path:
+    """Build the Wan parts from one seeded stream (transformer, UMT5, VAE, then ``transformer_2`` when
+    ``two_experts``, so it differs from the first), assemble ``WanPipeline`` with the pipeline ``config``
+    (``boundary_ratio``, ``expand_timesteps``) and save it."""
     with seeded_cpu_init(seed):
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=4,
-            out_channels=4,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=32,
-            num_layers=1,
-            rope_max_seq_len=32,
-        )
+        transformer = _wan_transformer(in_channels)
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, 32)).eval()
-        vae = AutoencoderKLWan(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.5, 2.0, 1.0],
-            scale_factor_temporal=2,
-            scale_factor_spatial=4,
-        ).eval()
+        parts = {"vae": AutoencoderKLWan(**vae).eval()}
+        if two_experts:
+            parts["transformer_2"] = _wan_transformer(in_channels)
     pipe = WanPipeline(
         tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,
-        vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         transformer=transformer,
+        **parts,
+        **config,
     )
     pipe.save_pretrained(str(path))
     return Path(path)
+
+
+def make_wan_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Wan2.1-style ``WanPipeline`` (UMT5 width 32, a causal 3D VAE with 4x spatial and 2x
+    temporal compression and 4 latent channels, a one-layer ``WanTransformer3DModel``) and return it."""
+    return _save_wan(path, seed, _WAN21_VAE)
+
+
+WAN22_BOUNDARY_RATIO = 0.875
+"""Wan2.2-T2V-A14B's ``boundary_ratio``: the high-noise expert denoises timesteps >= 875 of 1000."""
+
+
+def make_wan22_pipeline(path: str | Path, seed: int = 0, boundary_ratio: float = WAN22_BOUNDARY_RATIO) -> Path:
+    """Save a tiny Wan2.2-A14B-style two-expert ``WanPipeline`` and return it: the parts of
+    ``make_wan_pipeline`` (same weights for the same seed) plus a differently initialised one-layer
+    ``transformer_2`` (the low-noise expert) and ``boundary_ratio`` in ``model_index.json``, as diffusers
+    saves Wan2.2-T2V-A14B. (The real folder ships a ``UniPCMultistepScheduler`` with flow sigmas; the
+    tiny one keeps the flow-matching Euler scheduler of the Wan2.1 builder.)"""
+    return _save_wan(path, seed, _WAN21_VAE, two_experts=True, boundary_ratio=boundary_ratio)
+
+
+def make_wan22_ti2v_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Wan2.2-TI2V-5B-style ``WanPipeline`` and return it: ``expand_timesteps`` (one timestep
+    per latent token) and the Wan2.2 VAE layout (residual blocks and a 2x2 pixel patchify inside the VAE,
+    so 8x spatial compression from two downsamplings; 8 latent channels where the real one has 48)."""
+    vae = {
+        **_WAN21_VAE,
+        "z_dim": 8,
+        "latents_mean": [0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.0, 0.4],
+        "latents_std": [1.5, 0.5, 2.0, 1.0, 1.2, 0.8, 1.1, 0.9],
+        "is_residual": True,
+        "in_channels": 12,
+        "out_channels": 12,
+        "patch_size": 2,
+        "scale_factor_spatial": 8,
+    }
+    return _save_wan(path, seed, vae, in_channels=8, expand_timesteps=True)
 
 
 def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.Tensor:
@@ -229,11 +281,17 @@ def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.T
 
 
 if __name__ == "__main__":
-    # python -m tests.pipelines {sd3,flux,wan} FOLDER: a tiny random pipeline folder for CPU runs of the
-    # family recipes (the recipes' headers list the overrides that fit these sizes).
+    # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v} FOLDER: a tiny random pipeline folder for CPU
+    # runs of the family recipes (the recipes' headers list the overrides that fit these sizes).
     import sys
 
-    builders = {"sd3": make_sd3_pipeline, "flux": make_flux_pipeline, "wan": make_wan_pipeline}
+    builders = {
+        "sd3": make_sd3_pipeline,
+        "flux": make_flux_pipeline,
+        "wan": make_wan_pipeline,
+        "wan22": make_wan22_pipeline,
+        "wan22_ti2v": make_wan22_ti2v_pipeline,
+    }
     if len(sys.argv) != 3 or sys.argv[1] not in builders:
-        sys.exit("usage: python -m tests.pipelines {sd3,flux,wan} FOLDER")
+        sys.exit(f"usage: python -m tests.pipelines {{{','.join(builders)}}} FOLDER")
     print(builders[sys.argv[1]](sys.argv[2]))

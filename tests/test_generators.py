@@ -237,13 +237,6 @@ def test_unsupported_pipeline_lists_supported_classes(tmp_path: Path) -> None:
         load_generator(tmp_path)
 
 
-def test_two_expert_wan_is_not_implemented(tmp_path: Path) -> None:
-    index = {"_class_name": "WanPipeline", "transformer_2": ["diffusers", "WanTransformer3DModel"]}
-    (tmp_path / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(NotImplementedError, match="transformer_2"):
-        load_generator(tmp_path).build()
-
-
 def test_wrong_class_for_folder_is_refused(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(ValueError, match="loads StableDiffusion3Pipeline folders"):

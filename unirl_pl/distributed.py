@@ -21,8 +21,9 @@ from torch import Tensor
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a peft-wrapped causal LM (``layers``) or a diffusers DiT (``transformer_blocks``)."""
-    for name in ("transformer_blocks", "layers"):
+    """The repeated blocks of a peft-wrapped causal LM (``layers``) or a diffusers DiT (``transformer_blocks``;
+    ``blocks`` in Wan)."""
+    for name in ("transformer_blocks", "layers", "blocks"):
         for module in model.modules():
             blocks = getattr(module, name, None)
             if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
@@ -31,14 +32,16 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_experts(experts: dict[str, Any], trained: list[str], mesh: Any, reshard_after_forward: bool) -> None:
-    """``fully_shard`` each trained expert's blocks and root over ``mesh`` (the data-parallel sub-mesh)."""
+    """``fully_shard`` each trained expert's blocks and root over ``mesh`` (the data-parallel sub-mesh); an
+    expert with several models (Wan2.2's two transformers, listed by its ``transformers``) has each sharded."""
     from torch.distributed.fsdp import fully_shard
 
     for name in trained:
-        model = experts[name].model
-        for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        expert = experts[name]
+        for model in getattr(expert, "transformers", None) or [expert.model]:
+            for block in transformer_blocks(model):
+                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
 
 
 def token_loss_weight(mask: Tensor, strategy: Any) -> float:

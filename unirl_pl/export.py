@@ -3,7 +3,10 @@
 ``<out>/llm`` holds the LM adapter in peft format (``PeftModel.from_pretrained(base, <out>/llm)``)
 and ``<out>/transformer`` the DiT adapter in diffusers' LoRA format
 (``pipeline.load_lora_weights(<out>/transformer)`` or
-``transformer.load_lora_adapter(<out>/transformer, use_safetensors=True)``). From the command line
+``transformer.load_lora_adapter(<out>/transformer, use_safetensors=True)``). A Wan2.2 A14B generator's
+component ``transformer`` is both experts: the high-noise adapter is ``<out>/transformer`` as above and the
+low-noise one ``<out>/transformer/transformer_2``
+(``pipeline.load_lora_weights(<out>/transformer/transformer_2, load_into_transformer_2=True)``). From the command line
 the module is rebuilt from the run's recipe (or the ``config.yaml`` Lightning saved next to the
 logs) and its trained weights come from a checkpoint::
 
