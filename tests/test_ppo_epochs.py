@@ -39,7 +39,8 @@ def test_ratio_leaves_one_only_from_the_second_epoch(tmp_path, monkeypatch):
     monkeypatch.setattr(grpo, "flow_grpo_loss", recording("transformer", grpo.flow_grpo_loss))
     run_cli(tmp_path, "--trainer.max_steps=2", EPOCHS, *FAST)
     # Loss calls per PPO epoch: one for the LM, one per SDE window step for the DiT (window [0, 2]).
-    for name, per_epoch, tol in (("llm", 1, 1e-5), ("transformer", 2, 0.0)):
+    # LM: KV-cache decode vs teacher-forced forward differ by float32 kernel noise (up to 1.1e-5 measured).
+    for name, per_epoch, tol in (("llm", 1, 1e-4), ("transformer", 2, 0.0)):
         ratios = seen[name]
         assert len(ratios) == 2 * 2 * per_epoch, (name, ratios)  # 2 RL steps x 2 epochs
         epochs = [ratios[i : i + per_epoch] for i in range(0, len(ratios), per_epoch)]
