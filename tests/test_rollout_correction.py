@@ -178,7 +178,8 @@ def test_gate_measures_the_corrected_mismatch_and_stops_only_beyond_its_kl_limit
     model, dm = built
     exp = _collect(model, dm)
     _inject(exp, LM_NOISE, DIT_NOISE)
-    gate = LogProbIdentityCheck(tolerance=1e-5)  # an explicit float32 limit does not apply to a corrected expert
+    # An explicit limit does not apply to a corrected half-precision expert.
+    gate = LogProbIdentityCheck(tolerance=1e-5, precision="bfloat16")
     gate.check(model, exp)
     llm = gate.corrections["llm"]
     assert 0 < llm["kl"] < 1e-2 and llm["ratio_max"] > 1 and llm["clipped_frac"] == 0.0
@@ -187,8 +188,11 @@ def test_gate_measures_the_corrected_mismatch_and_stops_only_beyond_its_kl_limit
     big = _collect(model, dm)
     _inject(big, 1.0, 0.0)
     with pytest.raises(LogProbIdentityError, match="'llm' at step 0: the rollout/recompute mismatch KL"):
-        LogProbIdentityCheck().check(model, big)
-    LogProbIdentityCheck(corrected_kl_tolerance=None).check(model, big)  # None: measure, never stop
+        LogProbIdentityCheck(precision="bfloat16").check(model, big)
+    LogProbIdentityCheck(corrected_kl_tolerance=None, precision="bfloat16").check(model, big)  # None: never stop
+    # A float32 expert keeps the hard gate with the correction on: the same small noise is a fault there.
+    with pytest.raises(LogProbIdentityError, match="'llm' at step 0: max"):
+        LogProbIdentityCheck().check(model, exp)
 
 
 def test_uncorrected_half_precision_gate_stops_and_names_the_remedy(built):
