@@ -119,6 +119,27 @@ def fill_dropped(rewards: Tensor, groups: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(bad, mean, rewards), bad
 
 
+def drop_rewards(rewards: Tensor, layout: GroupLayout, p: int, groups: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(image_rewards, text_rewards, dropped)`` with the non-finite image rewards left out of their groups.
+
+    A text sample's reward is the mean of its kept images, or its prompt's mean (over texts) when none is
+    kept. A dropped image sits at the mean of the kept rewards of ``groups``, its group for the DiT's
+    advantage (the prompt for ``shared``, the text sample for ``hierarchical``), so it adds nothing to that
+    group's mean or squared deviations; when its group kept none it sits at its text's reward.
+    """
+    m = layout.images_per_refinement
+    dropped = ~torch.isfinite(rewards)
+    kept = (~dropped).view(-1, m)
+    text_rewards = torch.where(dropped, torch.zeros_like(rewards), rewards).view(-1, m).sum(1)
+    text_rewards = (text_rewards / kept.sum(1).clamp_min(1)).masked_fill(~kept.any(1), torch.nan)
+    text_rewards, _ = fill_dropped(text_rewards, layout.text_prompt(p))
+    images, _ = fill_dropped(rewards, groups)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    none_kept = torch.zeros(int(inverse.max()) + 1).index_add(0, inverse, (~dropped).float())[inverse] == 0
+    images = torch.where(none_kept, text_rewards[layout.image_text(p)], images)
+    return images, text_rewards, dropped
+
+
 def compute_advantages(
     rewards: Tensor,
     layout: GroupLayout,
@@ -130,23 +151,27 @@ def compute_advantages(
     """``(text_rewards, text_advantages, image_advantages, dropped)`` from the (P*K*M,) image rewards.
 
     ``batch_std`` returns the std of the global batch (all ranks) for ``global_std``, or None on one process.
-    With ``drop_nonfinite`` a non-finite reward is replaced by its prompt group's mean (advantage 0,
-    ``dropped`` marks it); otherwise it propagates, and the step's non-finite loss skips the update.
+    With ``drop_nonfinite`` a non-finite reward is left out of its groups (:func:`drop_rewards`; ``dropped``
+    marks it) and its advantage is exactly 0, as is the LM's for a text with no image kept; otherwise it
+    propagates, and the step's non-finite loss skips the update.
     """
     check_scheme(config, layout)
     m = layout.images_per_refinement
+    prompt_of_text, img_text = layout.text_prompt(p), layout.image_text(p)
+    # The DiT's group: the prompt (shared, PromptRL) or the refinement (hierarchical: M images of one text).
+    groups = prompt_of_text[img_text] if config.scheme == "shared" else img_text
     dropped = torch.zeros_like(rewards, dtype=torch.bool)
-    if drop_nonfinite:
-        rewards, dropped = fill_dropped(rewards, layout.text_prompt(p)[layout.image_text(p)])
     text_rewards = rewards.view(-1, m).mean(1)
-    prompt_of_text = layout.text_prompt(p)
+    if drop_nonfinite and not bool(torch.isfinite(rewards).all()):
+        rewards, text_rewards, dropped = drop_rewards(rewards, layout, p, groups)
+    # Exact zeros: the group means of filled values agree with them only up to rounding.
+    text_dropped = dropped.view(-1, m).all(1)
     kwargs = {"global_std": config.global_std, "clip_max": config.clip_max}
     std = batch_std(text_rewards) if config.global_std else None
-    text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=std, **kwargs)
+    text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=std, **kwargs).masked_fill(text_dropped, 0.0)
     if config.scheme == "shared" and m == 1:
         # PromptRL: literally one advantage per sample for both experts.
         return text_rewards, text_adv, text_adv, dropped
-    img_text = layout.image_text(p)
-    groups = prompt_of_text[img_text] if config.scheme == "shared" else img_text
     std = batch_std(rewards) if config.global_std else None
-    return text_rewards, text_adv, group_advantages(rewards, groups, batch_std=std, **kwargs), dropped
+    image_adv = group_advantages(rewards, groups, batch_std=std, **kwargs).masked_fill(dropped, 0.0)
+    return text_rewards, text_adv, image_adv, dropped
