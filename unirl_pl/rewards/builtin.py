@@ -139,6 +139,23 @@ REGISTRY["ocr"] = _ocr
 REGISTRY["http"] = _http
 
 
+def _lazy(module: str, attr: str) -> Callable[..., RewardFn]:
+    """A factory that imports ``module.attr`` only when a recipe names it (model libraries load slowly)."""
+
+    def factory(**kwargs: Any) -> RewardFn:
+        return getattr(importlib.import_module(module), attr)(**kwargs)
+
+    factory.__name__ = attr
+    return factory
+
+
+REGISTRY["pickscore"] = _lazy("unirl_pl.rewards.clip_models", "PickScore")
+REGISTRY["clip_score"] = _lazy("unirl_pl.rewards.clip_models", "CLIPScore")
+REGISTRY["aesthetic"] = _lazy("unirl_pl.rewards.clip_models", "Aesthetic")
+REGISTRY["hpsv2"] = _lazy("unirl_pl.rewards.hpsv2", "HPSv2")
+REGISTRY["vlm_judge"] = _lazy("unirl_pl.rewards.vlm_judge", "VLMJudge")
+
+
 def registered_rewards() -> list[str]:
     """The names a recipe can use without a dotted path, sorted."""
     return sorted(REGISTRY)

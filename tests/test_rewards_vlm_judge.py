@@ -1,0 +1,297 @@
+"""The VLM judge against a fake OpenAI-compatible server on loopback: requests in the chat format with the
+images as data URLs, the three templates, robust parsing, concurrency, retries, and the failure policy
+(a stalled or garbled sample is NaN for model.nonfinite_rewards; a server that is down is an error)."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from unirl_pl.rewards import WeightedSum
+from unirl_pl.rewards.http import RewardServerError, decode_images
+from unirl_pl.rewards.vlm_judge import VLMJudge, parse_choice, parse_score, parse_yes_no
+
+FAST = {"timeout_s": 2.0, "max_retries": 1, "backoff_s": 0.01}
+
+# reply(request) -> (status, body): status 0 stalls until the test ends (the client times out first).
+Reply = Callable[[dict], tuple[int, bytes]]
+
+
+def chat(text: str) -> tuple[int, bytes]:
+    """A 200 chat completion whose message is ``text``."""
+    return 200, json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+
+
+def _images(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n, 3, 8, 8), generator=g).float() / 255
+
+
+def _text(request: dict) -> str:
+    return request["messages"][-1]["content"][-1]["text"]
+
+
+def _pixels(request: dict) -> list[torch.Tensor]:
+    urls = [part["image_url"]["url"] for part in request["messages"][-1]["content"] if part["type"] == "image_url"]
+    assert all(u.startswith("data:image/png;base64,") for u in urls)
+    return list(decode_images(urls))
+
+
+@pytest.fixture
+def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
+    """Factory: a loopback server answering ``POST /v1/chat/completions`` with ``reply``; returns its base URL
+    and a stats dict (requests seen, most in flight at once). Stalled handlers are released at teardown."""
+    servers: list[ThreadingHTTPServer] = []
+    release = threading.Event()
+
+    def start(reply: Reply) -> tuple[str, dict]:
+        stats = {"requests": [], "in_flight": 0, "max_in_flight": 0, "paths": set()}
+        lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    stats["requests"].append(request)
+                    stats["paths"].add(self.path)
+                    stats["in_flight"] += 1
+                    stats["max_in_flight"] = max(stats["max_in_flight"], stats["in_flight"])
+                try:
+                    status, body = reply(request)
+                    if status == 0:
+                        release.wait(timeout=10)
+                        return
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                finally:
+                    with lock:
+                        stats["in_flight"] -= 1
+
+        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server.daemon_threads = True
+        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.server_address[1]}/v1", stats
+
+    yield start
+    release.set()
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+# ------------------------------------------------------------------ parsing (pure)
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("7", 7.0),
+        (" 8.5 ", 8.5),
+        ("Score: 6", 6.0),
+        ("The image is good. Final Score: 9", 9.0),
+        ("**Score:** 4", 4.0),
+        ("I'd give it 7/10", 7.0),
+        ("3 out of 10", 3.0),
+        ("Reasoning: 2 cats, 1 dog. Score: 5", 5.0),
+        ("11", None),  # out of range
+        ("0", None),
+        ("2 cats and 3 dogs", None),  # ambiguous
+        ("I cannot rate this image.", None),
+        ("", None),
+    ],
+)
+def test_parse_score(reply, expected):
+    assert parse_score(reply, 1, 10) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("Yes", 1.0),
+        ("no.", 0.0),
+        ("Yes, there is a cat; no dog.", 1.0),
+        ("NO", 0.0),
+        ("yes or no", None),
+        ("maybe", None),
+    ],
+)
+def test_parse_yes_no(reply, expected):
+    assert parse_yes_no(reply) == expected
+
+
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        ("1", 0),
+        ("2", 1),
+        ("Image 2", 1),
+        ("The first one.", 0),
+        ("2 is better than 1", 1),
+        ("10", None),
+        ("both", None),
+    ],
+)
+def test_parse_choice(reply, expected):
+    assert parse_choice(reply) == expected
+
+
+# ------------------------------------------------------------------ the templates against the fake server
+def test_score_template_sends_the_chat_format_and_parses_each_reply(judge_server):
+    replies = {"a red cat": "Score: 7", "a blue dog": "8/10", "a green square": "3"}
+    url, stats = judge_server(lambda r: chat(next(v for k, v in replies.items() if k in _text(r))))
+    images = _images(3)
+    judge = VLMJudge(url=url, model="unified-reward", **FAST)
+    prompts = list(replies)
+    assert judge(prompts, ["rewritten"] * 3, images) == [7.0, 8.0, 3.0]
+    assert stats["paths"] == {"/v1/chat/completions"}
+    request = next(r for r in stats["requests"] if "a red cat" in _text(r))
+    assert request["model"] == "unified-reward" and request["temperature"] == 0.0 and request["max_tokens"] == 16
+    assert "from 1 to 10" in _text(request) and "rewritten" not in _text(request), "the original prompt is judged"
+    (pixels,) = _pixels(request)
+    torch.testing.assert_close(pixels, images[0], rtol=0, atol=0)  # the data URL holds the exact image
+
+
+def test_refined_prompt_and_a_custom_instruction(judge_server):
+    url, stats = judge_server(lambda r: chat("5"))
+    judge = VLMJudge(
+        url=url + "/chat/completions", model="m", prompt="refined", instruction="Rate {prompt}: {low}-{high}"
+    )
+    judge(["orig"], ["the rewrite"], _images(1))
+    assert _text(stats["requests"][0]) == "Rate the rewrite: 1-10"
+
+
+def test_yes_no_template_is_the_fraction_of_yes_over_the_prompts_questions(judge_server):
+    answers = {"Is there a cat?": "Yes", "Is the cat red?": "No", "Is there a dog?": "yes"}
+
+    def reply(request: dict) -> tuple[int, bytes]:
+        text = _text(request)
+        return chat(next((a for q, a in answers.items() if q in text), "yes" if "Does the image show" in text else "?"))
+
+    url, stats = judge_server(reply)
+    questions = {"a red cat": ["Is there a cat?", "Is the cat red?"], "a dog": ["Is there a dog?"]}
+    judge = VLMJudge(url=url, model="m", template="yes_no", questions=questions, **FAST)
+    assert judge(["a red cat", "a dog", "a bird"], ["x"] * 3, _images(3)) == [0.5, 1.0, 1.0]
+    assert len(stats["requests"]) == 4, "one request per question; the unlisted prompt gets the default one"
+    assert any("Does the image show a bird?" in _text(r) for r in stats["requests"])
+
+
+def _brighter_wins(request: dict) -> tuple[int, bytes]:
+    first, second = _pixels(request)
+    return chat("1" if first.mean() > second.mean() else "Image 2")
+
+
+def test_pairwise_template_is_the_win_rate_within_each_prompts_group(judge_server):
+    url, stats = judge_server(_brighter_wins)
+    levels = [0.2, 0.8, 0.5, 0.1, 0.9]
+    images = torch.stack([torch.full((3, 8, 8), v) for v in levels])
+    prompts = ["p", "p", "p", "q", "q"]
+    judge = VLMJudge(url=url, model="m", template="pairwise", **FAST)
+    # Group p: 0.8 beats both (1.0), 0.5 beats 0.2 (0.5), 0.2 beats none (0.0); group q: 0.9 wins.
+    assert judge(prompts, prompts, images) == [0.0, 1.0, 0.5, 0.0, 1.0]
+    assert len(stats["requests"]) == 3 + 1, "every pair within a group once, none across groups"
+    both = VLMJudge(url=url, model="m", template="pairwise", both_orders=True, **FAST)
+    assert both(prompts, prompts, images) == [0.0, 1.0, 0.5, 0.0, 1.0]
+    assert len(stats["requests"]) == 4 + 8
+    assert judge(["alone"], ["alone"], images[:1]) == [0.5]
+
+
+# ------------------------------------------------------------------ faults
+def test_a_garbled_reply_is_nan_for_that_sample_only(judge_server):
+    def reply(request: dict) -> tuple[int, bytes]:
+        text = _text(request)
+        if "garbage" in text:
+            return 200, b"<html>not json</html>"
+        if "rambling" in text:
+            return chat("It depends on taste.")
+        if "wrong shape" in text:
+            return 200, json.dumps({"choices": []}).encode()
+        return chat("6")
+
+    url, _ = judge_server(reply)
+    judge = VLMJudge(url=url, model="m", **FAST)
+    prompts = ["fine", "garbage", "rambling", "wrong shape"]
+    with pytest.warns(UserWarning, match="3 of 4 samples got no score"):
+        scores = judge(prompts, prompts, _images(4))
+    assert scores[0] == 6.0 and all(math.isnan(s) for s in scores[1:])
+    assert judge.failed == 3
+
+
+def test_a_stalled_request_times_out_to_nan_and_the_others_are_scored(judge_server):
+    url, stats = judge_server(lambda r: (0, b"") if "stall" in _text(r) else chat("9"))
+    judge = VLMJudge(url=url, model="m", timeout_s=0.3, max_retries=1, backoff_s=0.01, max_concurrency=4)
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match="1 of 3 samples"):
+        scores = judge(["ok", "stall", "ok too"], ["x"] * 3, _images(3))
+    elapsed = time.monotonic() - start
+    assert scores[0] == 9.0 and math.isnan(scores[1]) and scores[2] == 9.0
+    assert sum("stall" in _text(r) for r in stats["requests"]) == 2, "tried once, retried once"
+    assert elapsed < 3.0, f"two 0.3 s timeouts should not take {elapsed:.1f} s"
+
+
+def test_a_server_that_is_down_is_an_error_not_a_batch_of_nans():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    judge = VLMJudge(url=f"http://127.0.0.1:{port}/v1", model="m", **FAST)
+    with pytest.raises(RewardServerError, match=rf"127.0.0.1:{port}/v1/chat/completions: all 2 requests failed"):
+        judge(["a", "b"], ["a", "b"], _images(2))
+
+
+def test_a_rejected_request_is_an_error_at_once_and_5xx_is_retried(judge_server):
+    url, stats = judge_server(lambda r: (404, b'{"error": "model m not found"}'))
+    with pytest.raises(RewardServerError, match="rejected the request: HTTP 404.*model m not found"):
+        VLMJudge(url=url, model="m", **FAST)(["a"], ["a"], _images(1))
+    assert len(stats["requests"]) == 1, "a 4xx is not retried"
+
+    calls = {"n": 0}
+
+    def flaky(request: dict) -> tuple[int, bytes]:
+        calls["n"] += 1
+        return (503, b"busy") if calls["n"] == 1 else chat("4")
+
+    url, _ = judge_server(flaky)
+    assert VLMJudge(url=url, model="m", **FAST)(["a"], ["a"], _images(1)) == [4.0]
+
+
+def test_no_more_than_max_concurrency_requests_are_in_flight(judge_server):
+    def slow(request: dict) -> tuple[int, bytes]:
+        time.sleep(0.05)
+        return chat("5")
+
+    url, stats = judge_server(slow)
+    VLMJudge(url=url, model="m", max_concurrency=3, **FAST)([f"p{i}" for i in range(9)], ["x"] * 9, _images(9))
+    assert stats["max_in_flight"] == 3, "three at once: bounded, and actually concurrent"
+
+
+def test_nan_from_the_judge_goes_through_the_nonfinite_policy(judge_server):
+    url, _ = judge_server(lambda r: chat("no idea") if "bad" in _text(r) else chat("8"))
+    args = {"vlm_judge": {"url": url, "model": "m", **FAST}}
+    prompts = ["good", "bad", "good"]
+    with pytest.warns(UserWarning):
+        total, parts = WeightedSum({"vlm_judge": 0.5}, args, nonfinite="drop")(prompts, prompts, _images(3))
+    assert total[0] == 4.0 and math.isnan(total[1]) and total[2] == 4.0
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="reward 'vlm_judge' returned nan for sample 1"):
+        WeightedSum({"vlm_judge": 0.5}, args)(prompts, prompts, _images(3))
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="template must be"):
+        VLMJudge(url="http://127.0.0.1:1/v1", model="m", template="likert")
+    with pytest.raises(ValueError, match="url must start with"):
+        VLMJudge(url="127.0.0.1:1", model="m")
+    with pytest.raises(ValueError, match="questions must map"):
+        VLMJudge(url="http://127.0.0.1:1/v1", model="m", template="yes_no", questions={"p": []})
+    with pytest.raises(ValueError, match="api_key_env 'UNIRL_NO_SUCH_KEY' is not set"):
+        VLMJudge(url="http://127.0.0.1:1/v1", model="m", api_key_env="UNIRL_NO_SUCH_KEY")(["a"], ["a"], _images(1))
