@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -21,6 +22,8 @@ from unirl_pl.losses import zero_std_fraction
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
+from unirl_pl.rewards.builtin import term_stats
+from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
 from unirl_pl.versioning import VersionLedger
 
 
@@ -53,6 +56,26 @@ class ExperienceSource:
     owners: dict[str, str]
     batch_std: Callable[[Tensor], Tensor | None]
     drop_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        # Remote reward terms are scored while the rest of the batch decodes (rewards/overlap.py). Read
+        # once here, from the WeightedSum itself: tools may later wrap ``self.reward`` in a timer.
+        names, self._chunk = remote_terms(self.reward.terms)
+        self._remote = {name: partial(self.reward.score_term, name) for name in names}
+
+    def _decode_and_score(
+        self, latents: Tensor, prompts: list[str], refined: list[str], groups: Tensor
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+        """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
+        pending = {}
+        if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
+            images, pending = decode_while_scoring(
+                self.conditioning.decode, latents, self._chunk, self._remote, prompts, refined
+            )
+        else:
+            images = self.conditioning.decode(latents)
+        rewards, parts = self.reward(prompts, refined, images, groups=groups, pending=pending)
+        return images, rewards, parts
 
     def _profile(self, loop: str) -> Profile:
         return "rollout" if self.trained.get(loop) else "serve"
@@ -100,11 +123,18 @@ class ExperienceSource:
             version=self.ledger[self.owners["diffusion_denoise"]],
             uncond=self.conditioning.uncond(self.diffusion_denoise.config.guided),
         )
-        images = self.conditioning.decode(latents)
         originals = [batch.prompts[t // k] for t in img_text.tolist()]
-        rewards, parts = self.reward(originals, image_texts, images)
+        groups = layout.text_prompt(p)[img_text]
+        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups)
+        # Advantages come from the combined reward (group-normalized terms when the reward normalizes);
+        # the logged reward stays the raw weighted sum.
         text_rewards, text_adv, image_adv, dropped = compute_advantages(
-            rewards, layout, p, self.advantages, self.batch_std, drop_nonfinite=self.drop_nonfinite
+            getattr(parts, "combined", rewards),
+            layout,
+            p,
+            self.advantages,
+            self.batch_std,
+            drop_nonfinite=self.drop_nonfinite,
         )
         advantages = {"diffusion_denoise": image_adv.to(device)}
         if rows:
@@ -124,7 +154,7 @@ class ExperienceSource:
             text_rewards=text_rewards.to(device),
             records=records,
             advantages=advantages,
-            reward_terms={name: float(v.mean()) for name, v in parts.items()},
+            reward_terms=term_stats(parts),
             zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
             images=images,
             fallback_frac=sum(fell_back) / len(fell_back) if fell_back else None,

@@ -202,6 +202,45 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
     return reward
 
 
+class RewardTerms(dict[str, Tensor]):
+    """Each term's raw values (N,) by reward name, as :class:`WeightedSum` returns them.
+
+    ``combined`` is what advantages should be computed from: the weighted sum of the raw terms, or with
+    ``normalize="group"`` the weighted sum of the group-normalized terms (NaN where the total is NaN).
+    """
+
+    combined: Tensor
+
+
+def group_normalize(values: Tensor, groups: Tensor, eps: float = 1e-4) -> Tensor:
+    """``(v - mean_g) / (std_g + eps)`` within each group ``g`` (population std), over the finite values;
+    non-finite values stay NaN. A group whose values are all equal becomes 0 whatever their level."""
+    v = values.double()
+    finite = torch.isfinite(v)
+    _, inverse = torch.unique(groups, return_inverse=True)
+    n = int(inverse.max()) + 1 if len(inverse) else 0
+    zeros = torch.zeros(n, dtype=v.dtype)
+    count = zeros.index_add(0, inverse, finite.to(v.dtype)).clamp_min(1)
+    clean = torch.where(finite, v, torch.zeros_like(v))
+    mean = zeros.index_add(0, inverse, clean) / count
+    dev = torch.where(finite, v - mean[inverse], torch.zeros_like(v))
+    std = (zeros.index_add(0, inverse, dev * dev) / count).sqrt()
+    # A sample at its group's mean is 0 even where the group has no spread (0/0 with eps=0).
+    out = torch.where(dev == 0, torch.zeros_like(dev), dev / (std[inverse] + eps))
+    return torch.where(finite, out, torch.nan).to(values.dtype)
+
+
+def term_stats(parts: dict[str, Tensor]) -> dict[str, float]:
+    """Each term's raw mean (``<name>``) and population std (``<name>_std``) over its finite values, the
+    numbers logged as ``reward/<name>`` and ``reward/<name>_std`` (NaN for a term with no finite value)."""
+    stats: dict[str, float] = {}
+    for name, values in parts.items():
+        finite = values[torch.isfinite(values)].double()
+        stats[name] = float(finite.mean()) if len(finite) else math.nan
+        stats[f"{name}_std"] = float(finite.std(unbiased=False)) if len(finite) else math.nan
+    return stats
+
+
 class WeightedSum:
     """The scalar reward: ``sum_i w_i * reward_i``, keeping each term's values for logging.
 
@@ -210,10 +249,17 @@ class WeightedSum:
     and the sample's prompt, or with ``nonfinite="drop"`` makes that sample's total NaN (the caller drops
     it) and is counted in :attr:`dropped`.
 
+    With ``normalize="group"`` each term is normalized within its group before weighting (PromptRL's and
+    verl-omni's way of combining rewards on different scales: a PickScore near 22 and an OCR score in
+    [0, 1] then weigh as their weights say, not as their units do). The returned total stays the raw
+    weighted sum (logged, and what validation reports); the normalized one is the parts' ``combined``.
+
     Args:
         weights: Reward name (registry key or dotted path) -> weight.
         reward_args: Reward name -> constructor keyword arguments, for rewards that take some.
         nonfinite: ``error`` (stop at a NaN/inf reward) or ``drop`` (the sample's total is NaN).
+        normalize: ``none`` or ``group``: normalize each term within its group (the samples of one
+            prompt) before weighting.
     """
 
     def __init__(
@@ -221,11 +267,14 @@ class WeightedSum:
         weights: dict[str, float],
         reward_args: dict[str, dict[str, Any]] | None = None,
         nonfinite: Literal["error", "drop"] = "error",
+        normalize: Literal["none", "group"] = "none",
     ) -> None:
         if not weights:
             raise ValueError("at least one reward is needed")
         if nonfinite not in ("error", "drop"):
             raise ValueError(f"nonfinite must be 'error' or 'drop', got {nonfinite!r}")
+        if normalize not in ("none", "group"):
+            raise ValueError(f"reward normalization must be 'none' or 'group', got {normalize!r}")
         reward_args = reward_args or {}
         stray = set(reward_args) - set(weights)
         if stray:
@@ -235,24 +284,41 @@ class WeightedSum:
             raise ValueError(f"reward weights must be finite numbers, got {bad_weights}")
         self.weights = dict(weights)
         self.nonfinite = nonfinite
+        self.normalize = normalize
         self.dropped = 0  # samples whose total was set to NaN (nonfinite="drop"), over this object's life
         self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
 
+    def score_term(self, name: str, prompts: list[str], refined_prompts: list[str], images: Tensor) -> Tensor:
+        """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
+        fn = self.terms[name]
+        if images.ndim == 5 and not getattr(fn, "accepts_video", False):
+            return _frame_mean(name, fn, prompts, refined_prompts, images)
+        return _as_values(name, fn(prompts, refined_prompts, images), len(prompts), "samples")
+
     def __call__(
-        self, prompts: list[str], refined_prompts: list[str], images: Tensor
-    ) -> tuple[Tensor, dict[str, Tensor]]:
+        self,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        *,
+        groups: Tensor | None = None,
+        pending: dict[str, Callable[[], Tensor]] | None = None,
+    ) -> tuple[Tensor, RewardTerms]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
         For videos (N, F, 3, H, W) an image reward scores every frame and the video gets the frames' mean.
         With ``nonfinite="drop"`` a sample with a NaN/inf term has total NaN (its raw terms are kept).
+        ``groups`` (N,) are the samples' group ids for ``normalize="group"`` (default: samples with the
+        same prompt form a group). ``pending`` holds terms already being scored (during decode): name ->
+        a function returning their values, called here instead of the reward.
         """
-        parts: dict[str, Tensor] = {}
-        for name, fn in self.terms.items():
-            if images.ndim == 5 and not getattr(fn, "accepts_video", False):
-                parts[name] = _frame_mean(name, fn, prompts, refined_prompts, images)
+        pending = pending or {}
+        parts = RewardTerms()
+        for name in self.terms:
+            if name in pending:
+                parts[name] = _as_values(name, pending[name](), len(prompts), "samples")
             else:
-                values = fn(prompts, refined_prompts, images)
-                parts[name] = _as_values(name, values, len(prompts), "samples")
+                parts[name] = self.score_term(name, prompts, refined_prompts, images)
         bad = torch.zeros(len(prompts), dtype=torch.bool)
         for name, values in parts.items():
             nonfinite = ~torch.isfinite(values)
@@ -264,11 +330,32 @@ class WeightedSum:
                     "finite. Fix the reward, or set nonfinite='drop' to leave such samples out"
                 )
             bad |= nonfinite
-        total = sum(self.weights[n] * torch.where(bad, 0.0, v) for n, v in parts.items())
+        total = self._combine(parts, bad, None)
+        parts.combined = total
+        if self.normalize == "group":
+            if groups is None:
+                _, groups = unique_prompt_groups(prompts)
+            parts.combined = self._combine(parts, bad, groups)
         if bad.any():
-            total = torch.where(bad, torch.nan, total)
             self.dropped += int(bad.sum())
         return total, parts
+
+    def _combine(self, parts: dict[str, Tensor], bad: Tensor, groups: Tensor | None) -> Tensor:
+        """The weighted sum of the terms (group-normalized first when ``groups`` is given); NaN where bad."""
+        total = torch.zeros(len(bad), dtype=torch.float32)
+        for name, values in parts.items():
+            v = torch.where(bad, torch.nan, values)
+            if groups is not None:
+                v = group_normalize(v, groups)
+            total = total + self.weights[name] * torch.where(bad, 0.0, v)
+        return torch.where(bad, torch.nan, total) if bad.any() else total
+
+
+def unique_prompt_groups(prompts: list[str]) -> tuple[list[str], Tensor]:
+    """The distinct prompts in first-seen order and each sample's group id (its prompt's index)."""
+    order = list(dict.fromkeys(prompts))
+    where = {p: i for i, p in enumerate(order)}
+    return order, torch.tensor([where[p] for p in prompts], dtype=torch.long)
 
 
 def _is_real(value: Any) -> bool:

@@ -134,6 +134,8 @@ class HTTPReward:
         batch_size: Samples per request, bounding request size and server memory.
         image_format: ``"png"`` (lossless after 8-bit quantization) or ``"jpeg"`` (smaller, lossy).
         headers: Extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``.
+        overlap: Let the trainer send a micro-batch's request while the next micro-batch decodes
+            (decoding then goes ``batch_size`` images at a time; see :mod:`unirl_pl.rewards.overlap`).
     """
 
     accepts_video = True  # reads (N, F, 3, H, W) itself
@@ -147,6 +149,7 @@ class HTTPReward:
         batch_size: int = 16,
         image_format: str = "png",
         headers: dict[str, str] | None = None,
+        overlap: bool = True,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -159,6 +162,8 @@ class HTTPReward:
             raise ValueError(f"image_format must be one of {sorted(IMAGE_FORMATS)}, got {image_format!r}")
         self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
         self.batch_size, self.image_format = batch_size, image_format.lower()
+        # Per-sample scores from a server: safe to request chunk by chunk while the rest decodes.
+        self.remote, self.overlap_chunk = overlap, batch_size
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         # A reward server on this machine must not be sent through an http_proxy from the
         # environment (a common cluster setting that rarely lists loopback in no_proxy).

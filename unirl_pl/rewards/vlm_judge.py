@@ -151,8 +151,6 @@ class VLMJudge:
         extra_body: Extra fields merged into every request (``{"top_k": 1}``, ``chat_template_kwargs``).
     """
 
-    remote = True  # waits on a server: worth overlapping with the next micro-batch's decode
-
     def __init__(
         self,
         url: str,
@@ -203,6 +201,9 @@ class VLMJudge:
         self.image_format = image_format.lower()
         self._mime = "png" if self.image_format == "png" else "jpeg"
         self.api_key_env, self.extra_body = api_key_env, dict(extra_body or {})
+        # Waits on a server, so worth overlapping with the next micro-batch's decode; not the pairwise
+        # template, which compares the images of a group and needs the whole batch.
+        self.remote, self.overlap_chunk = template != "pairwise", max_concurrency
         self.failed = 0  # samples scored NaN (unparseable or failed request) over this object's life
         host = urllib.parse.urlsplit(url).hostname or ""
         self._bypass_proxy = host in ("localhost", "::1") or host.startswith("127.")
