@@ -90,6 +90,8 @@ class UniRLModule(pl.LightningModule):
         nonfinite_rewards: A reward that is NaN or infinite: ``error`` stops the run naming the reward and
             the sample; ``drop`` removes that sample from its group (advantage 0, counted in
             ``reward/dropped``); ``skip`` skips the whole step (weights untouched, ``train/skipped_steps``).
+        reward_normalization: ``none``, or ``group``: each reward term is normalized within its prompt's
+            group before the weighted sum the advantages come from (``reward/mean`` stays the raw sum).
     """
 
     def __init__(
@@ -111,6 +113,7 @@ class UniRLModule(pl.LightningModule):
         reshard_after_forward: bool = True,
         max_consecutive_skips: int = 3,
         nonfinite_rewards: Literal["error", "drop", "skip"] = "error",
+        reward_normalization: Literal["none", "group"] = "none",
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -139,7 +142,10 @@ class UniRLModule(pl.LightningModule):
         self.mode, self.llm, self.generator = mode, llm, generator
         self.rollout_config, self.advantage = rollout, advantage
         self.reward_fn = WeightedSum(
-            rewards, reward_args, nonfinite="error" if nonfinite_rewards == "error" else "drop"
+            rewards,
+            reward_args,
+            nonfinite="error" if nonfinite_rewards == "error" else "drop",
+            normalize=reward_normalization,
         )
         self.nonfinite_rewards = nonfinite_rewards
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
