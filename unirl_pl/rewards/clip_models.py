@@ -76,7 +76,7 @@ class CLIPReward:
         processor_path: The CLIPProcessor (tokenizer and image processor) folder or hub id; None: the
             model's own.
         prompt: Which text is scored: ``original`` (the user's prompt) or ``refined`` (the rewrite).
-        batch_size: Images (and texts) per forward.
+        batch_size: Images per forward.
         device: Where the model runs; None follows the images' device.
         dtype: The weights' dtype: ``float32``, ``float16`` or ``bfloat16`` (scores are float32).
         frame_stride: For videos, score every this-many-th frame.
@@ -121,8 +121,8 @@ class CLIPReward:
             self.name,
             "CLIP model (pretrained_path)",
             self.pretrained_path,
-            lambda: CLIPModel.from_pretrained(self.pretrained_path, dtype=self.dtype),
-        )
+            lambda: CLIPModel.from_pretrained(self.pretrained_path),
+        ).to(self.dtype)  # cast after loading: the loading dtype keyword differs across transformers versions
         processor = load_or_explain(
             self.name,
             "CLIP processor (processor_path)",
@@ -158,17 +158,18 @@ class CLIPReward:
 
     @torch.no_grad()
     def text_embeddings(self, texts: list[str], device: torch.device) -> Tensor:
-        """L2-normalized text embeddings (T, E) of ``texts``, float32, each distinct text encoded once."""
+        """L2-normalized text embeddings (T, E) of ``texts``, float32.
+
+        Each distinct text is encoded once and alone, padded to the full context: its embedding then
+        never depends on which texts share its batch (a batch's prompts are few after deduplication, so
+        this costs little), and a reward served over HTTP in other batches scores bitwise the same.
+        """
         order, index = unique_texts(texts)
         max_length = self.model.config.text_config.max_position_embeddings
         out = []
-        for lo in range(0, len(order), self.batch_size):
+        for text in order:
             tokens = self.processor.tokenizer(
-                order[lo : lo + self.batch_size],
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
+                [text], padding="max_length", truncation=True, max_length=max_length, return_tensors="pt"
             ).to(device)
             pooled = self.model.text_model(
                 input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
