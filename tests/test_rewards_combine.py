@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tests.helpers import read_metrics, run_cli, series
 from unirl_pl.rewards import HTTPReward, WeightedSum
 from unirl_pl.rewards.builtin import group_normalize, term_stats, unique_prompt_groups
 from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
@@ -140,3 +141,35 @@ def test_an_error_in_an_overlapped_term_surfaces_when_collected():
     _, pending = decode_while_scoring(lambda x: x, torch.zeros(4, 1), 2, {"r": broken}, list("abcd"), list("abcd"))
     with pytest.raises(RuntimeError, match="server said no"):
         pending["r"]()
+
+
+@pytest.mark.integration
+def test_the_trainer_computes_advantages_from_the_normalized_terms_and_logs_them_raw(tmp_path, monkeypatch):
+    import unirl_pl.method.experience as experience
+
+    seen: list[torch.Tensor] = []
+    original = experience.compute_advantages
+
+    def spy(rewards, *args, **kwargs):
+        seen.append(rewards.clone())
+        return original(rewards, *args, **kwargs)
+
+    monkeypatch.setattr(experience, "compute_advantages", spy)
+    cli = run_cli(
+        tmp_path,
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--model.rollout.num_steps=4",
+        "--model.rollout.sde_window=[0,2]",
+        "--model.rewards={brightness: 100.0, contains_word: 1.0}",
+        "--model.reward_normalization=group",
+    )
+    (combined,) = seen
+    # Each of the 4 prompts' 4 samples: two terms, each normalized to mean 0 within the group.
+    assert combined.view(4, 4).sum(1).abs().max() < 1e-4, "group-normalized terms sum to 0 in each group"
+    assert combined.abs().max() < 2 * 101 / 1.0, "weights apply to unit-scale terms"
+    rows = read_metrics(cli)
+    assert 0.0 < series(rows, "reward/brightness")[0] < 1.0, "the term is logged raw"
+    assert series(rows, "reward/brightness_std")[0] > 0
+    raw_mean = 100 * series(rows, "reward/brightness")[0] + series(rows, "reward/contains_word")[0]
+    assert series(rows, "reward/mean")[0] == pytest.approx(raw_mean, rel=1e-4), "reward/mean is the raw total"

@@ -15,6 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from tests.helpers import read_metrics, run_cli, series
 from unirl_pl.rewards import WeightedSum
 from unirl_pl.rewards.http import RewardServerError, decode_images
 from unirl_pl.rewards.vlm_judge import VLMJudge, parse_choice, parse_score, parse_yes_no
@@ -295,3 +296,37 @@ def test_bad_settings_are_refused():
         VLMJudge(url="http://127.0.0.1:1/v1", model="m", template="yes_no", questions={"p": []})
     with pytest.raises(ValueError, match="api_key_env 'UNIRL_NO_SUCH_KEY' is not set"):
         VLMJudge(url="http://127.0.0.1:1/v1", model="m", api_key_env="UNIRL_NO_SUCH_KEY")(["a"], ["a"], _images(1))
+
+
+# ------------------------------------------------------------------ acceptance: a fit with a stalling judge
+@pytest.mark.integration
+def test_a_fit_with_a_stalling_judge_drops_the_stalled_samples_and_trains_on_the_rest(tmp_path, judge_server):
+    seen, stalled, lock = [0], [0], threading.Lock()
+
+    def reply(request: dict) -> tuple[int, bytes]:
+        (pixels,) = _pixels(request)
+        with lock:
+            seen[0] += 1
+            stall = seen[0] % 10 == 3  # requests 3, 13, 23 of the run's 32 stall past the timeout
+            stalled[0] += stall
+        return (0, b"") if stall else chat(f"Score: {1 + round(9 * float(pixels.mean()))}")
+
+    url, stats = judge_server(reply)
+    judge = {"url": url, "model": "judge", "timeout_s": 0.5, "max_retries": 0, "max_concurrency": 8}
+    with pytest.warns(UserWarning, match="samples got no score"):
+        cli = run_cli(
+            tmp_path,
+            "--trainer.max_steps=2",
+            "--trainer.limit_val_batches=0",
+            "--model.rollout.num_steps=4",
+            "--model.rollout.sde_window=[0,2]",
+            "--model.rewards={vlm_judge: 1.0}",
+            f"--model.reward_args={{vlm_judge: {json.dumps(judge)}}}",
+            "--model.nonfinite_rewards=drop",
+        )
+    rows = read_metrics(cli)
+    dropped = series(rows, "reward/dropped")
+    assert len(dropped) == 2 and sum(dropped) == stalled[0] > 0, (dropped, stalled)
+    assert all(math.isfinite(v) for v in series(rows, "reward/vlm_judge")), "the others were scored"
+    assert cli.model.ledger["transformer"] == 2 and cli.model.ledger["llm"] == 2, "both steps trained"
+    assert len(stats["requests"]) == 2 * 16, "one request per image of the tiny recipe's 4 x 4 samples"
