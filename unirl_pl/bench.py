@@ -493,7 +493,8 @@ def _loss_callers() -> list[Any]:
     import importlib
 
     found = []
-    for name in ("unirl_pl.method.policy", "unirl_pl.module"):
+    # The algorithms (unirl_pl.algorithms) call them as attributes of unirl_pl.method.grpo.
+    for name in ("unirl_pl.method.grpo", "unirl_pl.method.policy", "unirl_pl.module"):
         try:
             module = importlib.import_module(name)
         except ImportError:

@@ -7,7 +7,7 @@ feeds tensors in.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -68,7 +68,8 @@ class LossOutput:
 
     ``backpropagated`` marks a loss whose gradients were already accumulated piece by piece (its ``loss``
     is then detached and only logged). ``logp`` holds the detached recomputed log-probs the loss was built
-    from, in the record's shape, so the C2 gate checks them without a forward of its own.
+    from, in the record's shape, so the C2 gate checks them without a forward of its own. ``extras`` are an
+    algorithm's own detached statistics, logged as ``<expert>/<key>``.
     """
 
     loss: Tensor
@@ -81,6 +82,7 @@ class LossOutput:
     clip_frac_low: Tensor
     backpropagated: bool = False
     logp: Tensor | None = None
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def clip_frac(self) -> Tensor:
@@ -224,3 +226,212 @@ def flow_grpo_loss(
     kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
     loss = pg + beta * kl_mean if kl is not None else pg
     return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())
+
+
+def grpo_guard_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mean: Tensor,
+    old_mean: Tensor,
+    scale: Tensor,
+    dt: Tensor,
+    *,
+    kl: Tensor | None = None,
+    clip_eps: float = 1e-4,
+    beta: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> LossOutput:
+    """GRPO-Guard's regulated clipping of one Flow-GRPO step (RatioNorm and per-step reweighting).
+
+    With ``scale`` (N,) the step's noise scale ``std * sqrt(-dt)`` and ``b = mean((mean - old_mean)^2) /
+    (2 scale^2)`` (the second-order term that shifts the log-ratio of a Gaussian step below 0), the ratio is
+    ``exp((logp - old_logp + b) * scale)``: centred at 1 whatever the step's noise, so the clip range means
+    the same at every step. Each sample's clipped surrogate is divided by ``-dt`` (N,) (the gradient
+    reweighting that balances the steps); the KL term is added unscaled. At ``mean == old_mean`` the ratio is
+    exactly ``exp((logp - old_logp) * scale)``. ``old_mean`` is detached.
+    """
+    bias = ((mean - old_mean.detach()) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * scale**2)
+    log_ratio = (logp - old_logp + bias) * scale
+    per_sample, ratio, high, low = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps)
+    per_sample = per_sample / (-dt)
+    if is_weights is not None:
+        per_sample = per_sample * is_weights.detach()
+    pg = per_sample.mean()
+    kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
+    loss = pg + beta * kl_mean if kl is not None else pg
+    return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())
+
+
+def asymmetric_clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, eps_low: float, eps_high: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """PPO's clipped objective with DAPO's asymmetric range ``[1 - eps_low, 1 + eps_high]`` on given ratios.
+
+    Returns ``(loss, clipped_high, clipped_low)`` elementwise, the masks marking where the clipped branch is
+    the active one, by side (as :func:`clipped_surrogate`).
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - eps_low, 1 + eps_high)
+    active = clipped > unclipped
+    return (
+        torch.maximum(unclipped, clipped),
+        (active & (ratio > 1 + eps_high)).float(),
+        (active & (ratio < 1 - eps_low)).float(),
+    )
+
+
+def refiner_token_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    beta: float = 0.0,
+    aggregation: str = "token_mean",
+    is_weights: Tensor | None = None,
+) -> LossOutput:
+    """The refiner's token-ratio policy loss with DAPO's options: clip-higher and the aggregation.
+
+    Per token: the clipped surrogate of ``exp(logp - old)`` on ``[1 - eps_low, 1 + eps_high]`` (DAPO's clip-
+    higher when ``eps_high > eps_low``), times ``is_weights`` when given, plus ``beta`` times the k3 KL to the
+    reference. ``aggregation``: ``token_mean`` averages over every real token of the batch (DAPO; a long
+    refinement weighs by its length), ``sequence_mean`` averages each refinement's tokens first and then the
+    refinements (the original GRPO). With ``eps_low == eps_high`` and ``token_mean`` this is
+    :func:`grpo_token_loss`.
+    """
+    maskf = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    per_token, high, low = asymmetric_clipped_surrogate(ratio, advantages[:, None], eps_low, eps_high)
+    if is_weights is not None:
+        per_token = per_token * is_weights.detach()
+    kl_tok = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    if aggregation == "token_mean":
+        agg = _masked_mean
+    elif aggregation == "sequence_mean":
+        agg = _sequence_mean
+    else:
+        raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
+    pg, kl = agg(per_token, maskf), agg(kl_tok, maskf)
+    loss = pg + beta * kl if ref_logp is not None else pg
+    real = mask.bool()
+    r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
+    return _policy_loss_output(loss, pg, kl, r, agg(high, maskf).detach(), agg(low, maskf).detach())
+
+
+def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over rows of each row's masked token mean; rows without a real token count as 0."""
+    per_row = (x * mask).sum(1) / mask.sum(1).clamp_min(1)
+    return per_row.mean()
+
+
+def gspo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    eps_low: float = 3e-4,
+    eps_high: float = 4e-4,
+    beta: float = 0.0,
+    is_weights: Tensor | None = None,
+) -> LossOutput:
+    """GSPO's sequence-level clipped loss for the refiner.
+
+    Each refinement's ratio is the geometric mean of its token ratios, ``s = exp(mean_t(logp - old))`` over
+    its real tokens (length-normalized, so it is comparable across lengths and clips on a narrow range,
+    GSPO's ``3e-4 / 4e-4``); the clipped surrogate ``max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high))`` is
+    averaged over refinements. ``is_weights`` (N, T) enter as their sequence's geometric mean. The KL term is
+    the k3 KL to the reference, averaged per refinement and then over refinements (the same units as the
+    policy term).
+    """
+    maskf = mask.to(logp.dtype)
+    length = maskf.sum(1).clamp_min(1)
+    seq_log_ratio = ((logp - old_logp) * maskf).sum(1) / length
+    ratio = torch.exp(seq_log_ratio)
+    per_seq, high, low = asymmetric_clipped_surrogate(ratio, advantages, eps_low, eps_high)
+    if is_weights is not None:
+        per_seq = per_seq * torch.exp((torch.log(is_weights.detach()) * maskf).sum(1) / length)
+    real = mask.bool().any(1)
+    weight = real.to(logp.dtype)
+    pg = (per_seq * weight).sum() / weight.sum().clamp_min(1)
+    kl = _sequence_mean(k3_kl(logp, ref_logp), maskf) if ref_logp is not None else logp.new_zeros(())
+    loss = pg + beta * kl if ref_logp is not None else pg
+    r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
+    frac = weight.sum().clamp_min(1)
+    return _policy_loss_output(loss, pg, kl, r, (high * weight).sum() / frac, (low * weight).sum() / frac)
+
+
+def optimality_probability(advantages: Tensor, clip_max: float) -> Tensor:
+    """DiffusionNFT's reward-to-optimality map: ``clamp(clamp(A, +-clip_max) / clip_max / 2 + 0.5, 0, 1)``.
+
+    A sample at the group mean is optimal with probability 1/2; ``+clip_max`` and above is surely positive,
+    ``-clip_max`` and below surely negative.
+    """
+    if clip_max <= 0:
+        raise ValueError(f"clip_max must be > 0, got {clip_max}")
+    a = advantages.clamp(-clip_max, clip_max)
+    return (a / clip_max / 2 + 0.5).clamp(0, 1)
+
+
+def nft_loss(
+    velocity: Tensor,
+    old_velocity: Tensor,
+    xt: Tensor,
+    x0: Tensor,
+    t: Tensor,
+    r: Tensor,
+    *,
+    nft_beta: float = 1.0,
+    clip_max: float = 5.0,
+    ref_velocity: Tensor | None = None,
+    kl_beta: float = 0.0,
+) -> LossOutput:
+    """DiffusionNFT's negative-aware fine-tuning loss at one forward-process point per sample.
+
+    With the current prediction ``v`` and the old policy's ``v_old`` (detached), the implicit positive policy
+    is ``v+ = beta v + (1 - beta) v_old`` and the implicit negative one ``v- = (1 + beta) v_old - beta v``. Each
+    predicts ``x0`` as ``xt - t v``; its squared error to the sample's ``x0`` is divided by the detached mean
+    absolute error (adaptive weighting, computed in float64, floored at 1e-5). The loss is
+    ``clip_max * mean(r * err+ / beta + (1 - r) * err- / beta)`` with ``r`` (N,) the optimality probability
+    (:func:`optimality_probability`), plus ``kl_beta`` times the mean squared distance of ``v`` to the
+    reference's prediction. ``t`` is (N,). Statistics: ``pg_loss`` the policy term, ``kl`` the KL term; the
+    ratio fields are 1 and the clip fractions 0 (there is no ratio).
+    """
+    if nft_beta <= 0:
+        raise ValueError(f"nft_beta must be > 0, got {nft_beta}")
+    dims = tuple(range(1, x0.ndim))
+    tt = t.reshape(-1, *([1] * (x0.ndim - 1))).to(velocity.dtype)
+    old = old_velocity.detach()
+    positive = nft_beta * velocity + (1 - nft_beta) * old
+    negative = (1 + nft_beta) * old - nft_beta * velocity
+
+    def weighted_error(v: Tensor) -> Tensor:
+        pred = xt - tt * v
+        with torch.no_grad():
+            weight = (pred.double() - x0.double()).abs().mean(dim=dims, keepdim=True).clamp_min(1e-5)
+        return ((pred - x0) ** 2 / weight).mean(dim=dims)
+
+    per_sample = r * weighted_error(positive) / nft_beta + (1 - r) * weighted_error(negative) / nft_beta
+    pg = (per_sample * clip_max).mean()
+    if ref_velocity is not None:
+        kl = ((velocity - ref_velocity.detach()) ** 2).mean(dim=dims).mean()
+        loss = pg + kl_beta * kl
+    else:
+        kl, loss = velocity.new_zeros(()), pg
+    one, zero = velocity.new_ones(()), velocity.new_zeros(())
+    return LossOutput(
+        loss=loss,
+        pg_loss=pg.detach(),
+        kl=kl.detach(),
+        ratio_mean=one,
+        ratio_min=one,
+        ratio_max=one,
+        clip_frac_high=zero,
+        clip_frac_low=zero,
+        extras={"old_deviation": ((velocity.detach() - old) ** 2).mean()},
+    )

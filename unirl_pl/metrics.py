@@ -12,7 +12,7 @@ from unirl_pl.records import Experience
 
 
 def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Tensor]:
-    """An expert's loss, its parts, ratio statistics, clip fractions and gradient norm."""
+    """An expert's loss, its parts, ratio statistics, clip fractions, gradient norm and its algorithm's extras."""
     return {
         f"{name}/loss": out.loss.detach(),
         f"{name}/pg_loss": out.pg_loss,
@@ -24,6 +24,7 @@ def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Ten
         f"{name}/clip_frac_high": out.clip_frac_high,
         f"{name}/clip_frac_low": out.clip_frac_low,
         f"{name}/grad_norm": grad_norm,
+        **{f"{name}/{key}": value for key, value in out.extras.items()},
     }
 
 
@@ -34,21 +35,26 @@ def rollout_correction_metrics(name: str, stats: dict[str, float]) -> dict[str, 
 
 
 def rollout_metrics(
-    exp: Experience, versions: dict[str, int], staleness: dict[str, float], hit_rate: float
+    exp: Experience,
+    versions: dict[str, int],
+    staleness: dict[str, float],
+    hit_rate: float,
+    records: dict[str, Tensor | float] | None = None,
 ) -> dict[str, Tensor | float]:
-    """Reward spread and terms, advantage statistics, cache hit rate, versions, staleness, refinements."""
+    """Reward spread and terms, advantage statistics, cache hit rate, versions, staleness, refinements;
+    ``records`` are the algorithms' metrics of their records (e.g. ``llm/response_tokens``)."""
     metrics: dict[str, Tensor | float] = {
         "reward/std": exp.rewards[exp.rewards.isfinite()].std(unbiased=False),
         "reward/dropped": float(exp.dropped),
         "advantage/zero_std_frac": exp.zero_std_frac,
-        "advantage/abs_mean": exp.advantages["diffusion_denoise"].abs().mean(),
         "cache/text_encoder_hit_rate": hit_rate,
     }
+    if exp.image_advantages is not None:
+        metrics["advantage/abs_mean"] = exp.image_advantages.abs().mean()
     metrics.update({f"reward/{n}": v for n, v in exp.reward_terms.items()})
     metrics.update({f"version/{n}": float(v) for n, v in versions.items()})
     metrics.update({f"version/{n}_staleness": v for n, v in staleness.items()})
-    if exp.lm is not None:
-        metrics["llm/response_tokens"] = exp.lm.gen_mask.sum(1).float().mean()
+    metrics.update(records or {})
     if exp.fallback_frac is not None:
         metrics["llm/fallback_frac"] = exp.fallback_frac
     return metrics

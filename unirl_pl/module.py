@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
 from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
 from unirl_pl.checkpoint import (
@@ -34,7 +35,7 @@ from unirl_pl.checkpoint import (
 )
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
-from unirl_pl.distributed import agree_max, shard_experts, token_loss_weight
+from unirl_pl.distributed import agree_max, shard_experts
 from unirl_pl.evaluation import serve, validation_scores
 from unirl_pl.experts import CausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
@@ -76,8 +77,14 @@ class UniRLModule(pl.LightningModule):
         advantage: How rewards become advantages (scheme, global std, clipping).
         llm_optimizer: Optimizer of the LM's LoRA parameters (its own learning rate).
         transformer_optimizer: Optimizer of the generator's LoRA parameters (its own learning rate).
-        llm_loss: GRPO settings of the LM (token-level clipped ratio, k3 KL).
-        transformer_loss: Flow-GRPO settings of the generator (clipped ratio, KL of step means).
+        llm_loss: Policy-loss settings of the LM shared by its algorithms (clip range, KL weight, gradient
+            clip, rollout correction).
+        transformer_loss: Policy-loss settings of the generator shared by its algorithms (clip range, KL
+            weight, gradient clip, rollout correction).
+        generator_algorithm: How the generator learns (:mod:`unirl_pl.algorithms`): what its rollout records,
+            its loss, what C2 checks, its schedule. ``FlowGRPO`` (default, on ``rollout.sde_window``),
+            ``FlowGRPOFast``, ``MixGRPO``, ``FlowCPS``, ``DiffusionNFT``; overlays in ``recipes/algorithms/``.
+        llm_algorithm: How the refiner learns: ``TokenGRPO`` (default), ``DAPO``, ``GSPO``.
         ppo_epochs: Optimizer steps per experience; after the first, records are stale by design and
             the ratio moves away from 1. One RL step is one trainer global step whatever the count.
         on_stale: ``error`` (on-policy: a record whose producing version is not current at its first
@@ -108,6 +115,8 @@ class UniRLModule(pl.LightningModule):
         transformer_optimizer: OptimizerCallable = _default_dit_optimizer,
         llm_loss: ExpertLoss = ExpertLoss(),
         transformer_loss: ExpertLoss = ExpertLoss(clip_eps=1e-4, beta=0.004),
+        generator_algorithm: GeneratorAlgorithm = lazy_instance(FlowGRPO),
+        llm_algorithm: RefinerAlgorithm = lazy_instance(TokenGRPO),
         ppo_epochs: int = 1,
         on_stale: Literal["error", "log"] = "error",
         reshard_after_forward: bool = True,
@@ -150,6 +159,7 @@ class UniRLModule(pl.LightningModule):
         self.nonfinite_rewards = nonfinite_rewards
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
+        self.generator_algorithm, self.llm_algorithm = generator_algorithm, llm_algorithm
         self.ppo_epochs, self.on_stale, self.reshard_after_forward = ppo_epochs, on_stale, reshard_after_forward
         self.max_consecutive_skips, self.skipped_steps, self.consecutive_skips = max_consecutive_skips, 0, 0
         self.trained = self.card.trained_components(mode)
@@ -184,7 +194,7 @@ class UniRLModule(pl.LightningModule):
             self.strict_loading = False
         runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
         self.ar_decode = ARDecode(self.llm, self.rollout_config) if runs_lm else None
-        self.diffusion_denoise = DiffusionDenoise(self.generator, self.rollout_config)
+        self.diffusion_denoise = DiffusionDenoise(self.generator, self.rollout_config, self.generator_algorithm)
         self.source = ExperienceSource(
             ar_decode=self.ar_decode,
             diffusion_denoise=self.diffusion_denoise,
@@ -198,7 +208,15 @@ class UniRLModule(pl.LightningModule):
             drop_nonfinite=self.nonfinite_rewards == "drop",
         )
         loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
-        self.policy = PolicyLosses(self.card, loops, self.experts(), self.loss_settings)
+        algorithms = {"diffusion_denoise": self.generator_algorithm, "ar_decode": self.llm_algorithm}
+        algorithms = {loop: algorithms[loop] for loop in loops}
+        experts = self.experts()
+        for loop, algorithm in algorithms.items():
+            owner = self.card.owner(loop)
+            algorithm.bind(experts[owner], loops[loop], owner in self.trained)
+            if owner in self.trained:
+                algorithm.check_settings(self.losses[owner])
+        self.policy = PolicyLosses(self.card, loops, experts, self.loss_settings, algorithms)
 
     def on_fit_start(self) -> None:
         # trainer.log_dir is a collective (a broadcast): read it on every rank, write on rank 0 only.
@@ -233,7 +251,10 @@ class UniRLModule(pl.LightningModule):
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
         if self._trainer is not None and self.trainer.training and isinstance(batch, PromptBatch):
-            assert self.source is not None, "configure_model() builds the experience source"
+            assert self.source is not None and self.policy is not None, "configure_model() builds the experience source"
+            # The algorithms' schedule (a sliding SDE window) must be in place before this step's rollout,
+            # which runs here, ahead of every callback hook of the step.
+            self.policy.begin_step(self.trainer.global_step)
             return self.source.collect(batch, self.device)
         return batch
 
@@ -300,6 +321,7 @@ class UniRLModule(pl.LightningModule):
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         metrics: dict[str, Tensor | float] = {}
+        stepped: list[str] = []  # the experts whose first-epoch update was applied (not skipped)
         for epoch in range(self.ppo_epochs):
             for opt in opts.values():
                 opt.zero_grad(set_to_none=True)
@@ -323,8 +345,13 @@ class UniRLModule(pl.LightningModule):
                     metrics.update(loss_metrics(name, outputs[name], norms[name]))
             if epoch == 0:
                 self.consecutive_skips = 0
+                stepped = list(outputs)
+        assert self.policy is not None
+        for name in stepped:
+            self.policy.end_step(name, step)
         versions = self.ledger.as_dict()
-        metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate()))
+        records = self.policy.rollout_metrics(exp)
+        metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), records))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
         log_step(self.trainer, metrics, step, self.device)
         self.log(
@@ -339,15 +366,26 @@ class UniRLModule(pl.LightningModule):
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
         """Hand the first training forward's log-probs (weights not yet stepped) to the gates that check them:
         the C2 identity's input is the recompute the loss already paid for, not a forward of its own."""
-        if self._trainer is not None and self.policy is not None:
+        if self._trainer is None or self.policy is None:
+            return
+        # A likelihood-free algorithm's gate values cost a forward of their own: only when a gate reads them.
+        if any(hasattr(callback, "on_policy_logprobs") for callback in self.trainer.callbacks):
             notify_policy_logprobs(self.trainer, self, exp, self.policy.logprobs(exp, outputs))
 
     def _token_weight(self, name: str, exp: Experience) -> float:
         assert self.policy is not None
-        if "ar_decode" not in self.policy.loops_with_records(name, exp):
-            return 1.0
         strategy = self._trainer.strategy if self._trainer is not None else None
-        return token_loss_weight(exp.records["ar_decode"].gen_mask, strategy)
+        return self.policy.loss_weight(name, exp, strategy)
+
+    def position_label(self, name: str) -> str:
+        """What a column of expert ``name``'s C2 values is (``token``, ``SDE step``, ``training point``)."""
+        assert self.policy is not None, "configure_model() builds the losses"
+        return self.policy.position(name)
+
+    def describe_sample(self, name: str, exp: Experience, row: int) -> str:
+        """Which sample row ``row`` of expert ``name``'s C2 values is (its prompt), for the gate's messages."""
+        assert self.policy is not None, "configure_model() builds the losses"
+        return self.policy.describe_row(name, exp, row)
 
     # ------------------------------------------------------------------ evaluation
     def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
@@ -379,6 +417,9 @@ class UniRLModule(pl.LightningModule):
         return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints
+    def _algorithms(self) -> dict[str, Any]:
+        return {"generator_algorithm": self.generator_algorithm, "llm_algorithm": self.llm_algorithm}
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not all(bool(torch.isfinite(p).all()) for p in self.parameters() if p.requires_grad):
             raise RuntimeError("refusing to write a checkpoint: a trainable weight is not finite")
@@ -386,6 +427,9 @@ class UniRLModule(pl.LightningModule):
         checkpoint["unirl_skipped_steps"] = self.skipped_steps
         checkpoint[IDENTITY_KEY] = run_identity(self)
         checkpoint["unirl_rng"] = rng_states()
+        checkpoint["unirl_algorithms"] = {
+            role: {"class": _qualname(alg), "state": alg.state_dict()} for role, alg in self._algorithms().items()
+        }
         # Frozen base weights are rebuilt by configure_model; keeping them would bloat every checkpoint.
         checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], self)
 
@@ -398,4 +442,18 @@ class UniRLModule(pl.LightningModule):
         self.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))
         if "unirl_rng" in checkpoint:
             set_rng_states(checkpoint["unirl_rng"])
+        for role, saved in checkpoint.get("unirl_algorithms", {}).items():
+            algorithm = self._algorithms().get(role)
+            if algorithm is None:
+                continue
+            if saved["class"] != _qualname(algorithm):
+                raise ValueError(
+                    f"the checkpoint was trained with model.{role}={saved['class']}, this run configures "
+                    f"{_qualname(algorithm)}: resume with the same algorithm"
+                )
+            algorithm.load_state_dict(saved["state"])
         refill_trimmed(checkpoint, self)
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

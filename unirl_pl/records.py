@@ -57,12 +57,15 @@ class LMRecord:
 
 @dataclass
 class DiTRecord:
-    """Behavior of ``diffusion_denoise`` over the SDE window: per sample and step, x_t and x_next.
+    """Behavior of ``diffusion_denoise`` over its stochastic steps: per sample and step, x_t and x_next.
 
     ``prev``/``sample`` are (N, S, *latent_shape); ``sigma``/``sigma_next`` (S,) float64 and ``sigma_max``
-    a float, or (N, S) and (N,) when the requests ran schedules of different lengths; ``old_logp`` (N, S);
-    ``cond``/``uncond`` the conditioning used, so the recompute sees exactly the same inputs; ``chunks``
-    the micro-batches rollout ran, which the recompute repeats.
+    a float when every sample ran the same schedule and the same stochastic steps, or (N, S) and (N,) when
+    they did not (schedules of different lengths, or per-sample windows as in Flow-GRPO-Fast); ``old_logp``
+    (N, S); ``cond``/``uncond`` the conditioning used, so the recompute sees exactly the same inputs;
+    ``chunks`` the micro-batches rollout ran, which the recompute repeats; ``kind`` the stochastic step that
+    drew ``sample`` (a key of :data:`unirl_pl.sampling.STOCHASTIC_STEPS`: ``sde`` or ``cps``); ``starts``
+    (N,) the denoising step of each sample's first recorded step.
     """
 
     prev: Tensor
@@ -76,6 +79,8 @@ class DiTRecord:
     chunks: list[tuple[int, int]]
     version: int
     uncond: Cond | None = None
+    kind: str = "sde"
+    starts: Tensor | None = None
 
     @property
     def num_steps(self) -> int:
@@ -97,6 +102,44 @@ class DiTRecord:
         """Every (step, chunk) pair, in rollout's micro-batch composition."""
         return [(step, chunk) for step in range(self.num_steps) for chunk in self.chunks]
 
+    def behavior(self) -> dict[str, Tensor]:
+        """The recorded per-sample tensors (batch on dim 0) that must not depend on the batch a sample ran in."""
+        return {"prev": self.prev, "sample": self.sample, "old_logp": self.old_logp}
+
+
+@dataclass
+class FlowPointsRecord:
+    """Behavior of a likelihood-free generator algorithm (DiffusionNFT): clean samples and training points.
+
+    ``x0`` (N, *latent_shape) is what the rollout policy's ODE sampler produced; ``xt`` (N, J, ...) the
+    forward-process points ``(1 - t) x0 + t eps`` training fits at, ``t`` (N, J) float32 their noise levels
+    (each sample's own draw from its schedule, keyed by its seed), and ``old_v`` (N, J, ...) the rollout
+    policy's velocity at each point: the "old" prediction of the loss and what the C2 gate recomputes.
+    ``cond`` the conditioning, ``chunks`` the micro-batches the recorded forwards ran, which training and the
+    gate repeat.
+    """
+
+    x0: Tensor
+    xt: Tensor
+    t: Tensor
+    old_v: Tensor
+    cond: Cond
+    chunks: list[tuple[int, int]]
+    version: int
+
+    @property
+    def num_points(self) -> int:
+        """Training points per sample."""
+        return int(self.t.shape[1])
+
+    def points(self) -> list[tuple[int, tuple[int, int]]]:
+        """Every (point, chunk) pair, in the recorded micro-batch composition."""
+        return [(j, chunk) for j in range(self.num_points) for chunk in self.chunks]
+
+    def behavior(self) -> dict[str, Tensor]:
+        """The recorded per-sample tensors (batch on dim 0) that must not depend on the batch a sample ran in."""
+        return {"x0": self.x0, "xt": self.xt, "t": self.t, "old_v": self.old_v}
+
 
 @dataclass
 class Experience:
@@ -108,7 +151,8 @@ class Experience:
     ``LMRecord.rows`` order) and ``diffusion_denoise`` (every image); a record is absent when its loop did
     not run or its experts are frozen. ``reward_terms`` holds each weighted reward's raw mean for logging;
     ``dropped`` counts samples whose non-finite reward was dropped (their ``rewards`` entry is NaN, their
-    advantage 0).
+    advantage 0). ``image_advantages`` (N,) is every image sample's advantage, whether or not the generator
+    trains.
     """
 
     prompts: list[str]
@@ -116,13 +160,14 @@ class Experience:
     text_index: Tensor
     rewards: Tensor
     text_rewards: Tensor
-    records: dict[str, LMRecord | DiTRecord]
+    records: dict[str, LMRecord | DiTRecord | FlowPointsRecord]
     advantages: dict[str, Tensor]
     reward_terms: dict[str, float]
     zero_std_frac: float
     images: Tensor | None = None
     fallback_frac: float | None = None
     dropped: int = 0
+    image_advantages: Tensor | None = None
 
     @property
     def lm(self) -> LMRecord | None:
@@ -133,7 +178,6 @@ class Experience:
 
     @property
     def dit(self) -> DiTRecord | None:
-        """The ``diffusion_denoise`` record, if training captured one."""
+        """The ``diffusion_denoise`` record, if training captured one of the likelihood kind (a ``DiTRecord``)."""
         record = self.records.get("diffusion_denoise")
-        assert record is None or isinstance(record, DiTRecord)
-        return record
+        return record if isinstance(record, DiTRecord) else None

@@ -1,13 +1,15 @@
-"""Flow-matching samplers: the ODE Euler step, the Flow-GRPO SDE step with its Gaussian log-prob, schedules.
+"""Flow-matching samplers: the ODE Euler step, the stochastic steps with their log-probs, schedules.
 
 Everything here is a pure function of tensors so the same code serves the rollout (no grad), the
 training recompute (grad) and the C2 gate; the formulas are those of docs/architecture.md (sampling
-math), checked against float64 to 1e-6.
+math) and docs/algorithms.md (CPS), checked against float64 to 1e-6. :data:`STOCHASTIC_STEPS` names
+each stochastic step so a behavior record can say which one drew it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -90,6 +92,53 @@ def flow_sde_step_with_logprob(
         log_prob = -((prev - mean) ** 2) / (2 * scale**2) - torch.log(scale) - _LOG_SQRT_2PI
         log_prob = log_prob.mean(dim=tuple(range(1, x.ndim)))
     return prev.to(sample.dtype), log_prob, mean, std
+
+
+def cps_step_with_logprob(
+    sample: Tensor,
+    velocity: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    *,
+    sigma_max: float | Tensor | None = None,
+    noise_level: float = 0.7,
+    prev_sample: Tensor | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One coefficients-preserving (Flow-CPS) step and its log-prob, as Flow-GRPO's ``sde_type="cps"``.
+
+    With ``x0 = x - s v`` (predicted clean sample), ``x1 = x + (1 - s) v`` (predicted noise) and
+    ``std = s' sin(noise_level pi / 2)``: ``mean = (1 - s') x0 + sqrt(s'^2 - std^2) x1`` and
+    ``x' = mean + std eps``, so the coefficients of clean sample and noise keep summing in quadrature to
+    ``s'`` (the noise level of step ``s'``), unlike the SDE step's. The log-prob is the reference's
+    ``-mean((x' - mean)^2)`` over non-batch dims (constants and the ``1 / (2 std^2)`` scale dropped), float32
+    with ``x'`` detached. Returns ``(prev_sample, log_prob, prev_sample_mean, std)``; ``std`` (B,1,...) is the
+    full noise scale. ``sigma_max`` is accepted for a common signature and unused. ``noise_level = 0`` is the
+    deterministic DDIM-style step. At ``s' = 0`` the step is deterministic (std 0): nothing to train there.
+    """
+    x = sample.float()
+    v = velocity.float()
+    s = _as_batch(sigma, x)
+    s_next = _as_batch(sigma_next, x)
+    std = s_next * math.sin(noise_level * math.pi / 2)
+    x0 = x - s * v
+    x1 = x + (1 - s) * v
+    mean = x0 * (1 - s_next) + x1 * torch.sqrt(s_next**2 - std**2)
+    if prev_sample is None:
+        prev = mean + std * randn_like_per_sample(x, generator)
+    else:
+        prev = prev_sample.float()
+    prev = prev.detach()
+    log_prob = (-((prev - mean) ** 2)).mean(dim=tuple(range(1, x.ndim)))
+    return prev.to(sample.dtype), log_prob, mean, std.expand(x.shape[0], *std.shape[1:])
+
+
+StochasticStep = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
+"""``(sample, velocity, sigma, sigma_next, *, sigma_max, noise_level, prev_sample, generator)`` ->
+``(prev_sample, log_prob, mean, std)``."""
+
+STOCHASTIC_STEPS: dict[str, StochasticStep] = {"sde": flow_sde_step_with_logprob, "cps": cps_step_with_logprob}
+"""The stochastic steps a rollout may record, by the name its record carries."""
 
 
 def randn_like_per_sample(like: Tensor, generator: torch.Generator | list[torch.Generator] | None) -> Tensor:

@@ -11,6 +11,11 @@ same shapes, dtype and device as rollout) must match bit for bit, so its ratio i
 clip fraction 0; the others (the LM: KV-cache decode vs a teacher-forced forward) get a tolerance
 chosen by precision (:data:`PRECISION_TOLERANCES`).
 
+What is compared is the expert's algorithm's to say (:meth:`unirl_pl.algorithms.Algorithm.gate_values`): the
+token or SDE-step log-probs of the likelihood methods, or, for a likelihood-free one (DiffusionNFT), the
+identity it has instead, such as the old policy's velocity recomputed at the recorded training points; the
+tiers, limits and messages are the same.
+
 An expert whose loss corrects the rollout/train mismatch (``rollout_correction: tis``) is expected to
 differ by its numerics: for it the gate logs the correction's statistics (``rollout_corr/*``) and stops
 only when the mismatch KL exceeds ``corrected_kl_tolerance``, far above any kernel noise.
@@ -213,7 +218,9 @@ class LogProbIdentityCheck(pl.Callback):
         """
         for name, (stats, worst) in measured.items():
             row, pos = worst
-            where = f"worst at sample {row} ({_describe(batch, name, row)}), {_position(name)} {pos}"
+            where = (
+                f"worst at sample {row} ({_describe(pl_module, batch, name, row)}), {_position(pl_module, name)} {pos}"
+            )
             # A float32 expert keeps the hard gate even with the correction on: its recompute is exact by
             # construction, so any mismatch there is a fault, not numerics to reweight.
             if name in self.corrections and self.tier(pl_module, name) != "float32":
@@ -323,14 +330,13 @@ def _compare(
     return stats, worst
 
 
-def _position(name: str) -> str:
-    return "token" if name == "llm" else "SDE step"
+def _position(pl_module: pl.LightningModule, name: str) -> str:
+    """What a column of expert ``name``'s values is, as the module's algorithms say (a user's module may not)."""
+    label = getattr(pl_module, "position_label", None)
+    return label(name) if label is not None else "position"
 
 
-def _describe(batch: Experience, name: str, row: int) -> str:
-    if name == "llm" and batch.lm is not None:
-        text_row = int(batch.lm.rows[row])
-        images = (batch.text_index == text_row).nonzero()
-        prompt = batch.prompts[int(images[0])] if len(images) else "?"
-        return f"prompt {prompt!r}"
-    return f"prompt {batch.prompts[row]!r}, refined {batch.refined[row]!r}"
+def _describe(pl_module: pl.LightningModule, batch: Experience, name: str, row: int) -> str:
+    """Which sample row ``row`` of expert ``name``'s values is, as the module's algorithms say."""
+    describe = getattr(pl_module, "describe_sample", None)
+    return describe(name, batch, row) if describe is not None else f"prompt {batch.prompts[row]!r}"

@@ -88,7 +88,8 @@ class InterleaveParityCheck(pl.Callback):
     The probe is ``num_requests`` requests of one repeated ``prompt``, each with its own sample index
     (its own seed) and a step count cycling through ``step_counts``, so requests on different schedules
     share the batched run. Compared: refined-prompt tokens exactly; token log-probs, latents, decoded
-    images and the SDE record (x_t, x_next, log-probs) within ``tolerance``. Logs ``parity/max_abs_diff``
+    images and the generator's behavior record (the SDE steps' x_t, x_next and log-probs, or what its algorithm
+    records instead) within ``tolerance``. Logs ``parity/max_abs_diff``
     and ``parity/<expert>_max_abs_diff``. Runs at fit start (before the first rollout) and on every
     ``every_n_steps``-th step; a probe that compares nothing fails rather than passes.
 
@@ -169,7 +170,8 @@ class InterleaveParityCheck(pl.Callback):
             self._compare_dit(pl_module.generator, denoise, profile, report)
         self.last = report
         if report.failures:
-            probe = f"probe {self.prompt!r} x {self.num_requests}, step counts {self.probe_step_counts(denoise.config)}"
+            counts = self.probe_step_counts(denoise.config, denoise.least_steps())
+            probe = f"probe {self.prompt!r} x {self.num_requests}, step counts {counts}"
             msg = (
                 f"Interleave parity failed at step {step} ({probe}): " + "; ".join(report.failures) + ". A request's "
                 "result depends on what it is batched with: look for randomness shared across requests or noise "
@@ -183,9 +185,12 @@ class InterleaveParityCheck(pl.Callback):
     def _requests(self) -> tuple[list[int], list[int]]:
         return [PROBE_REQUEST_ID] * self.num_requests, list(range(self.num_requests))
 
-    def probe_step_counts(self, config: Any) -> list[int]:
-        """The denoising step count of each probe request (``step_counts`` cycled, or the default mix)."""
-        options = self.step_counts or [config.num_steps, max(config.sde_window[1], (config.num_steps + 1) // 2)]
+    def probe_step_counts(self, config: Any, least: int | None = None) -> list[int]:
+        """The denoising step count of each probe request (``step_counts`` cycled, or the default mix: the
+        configured count and about half of it, never below ``least``, the fewest steps a rollout request of
+        the generator's algorithm may run; None: the end of ``config.sde_window``)."""
+        least = config.sde_window[1] if least is None else least
+        options = self.step_counts or [config.num_steps, max(least, (config.num_steps + 1) // 2)]
         return [options[i % len(options)] for i in range(self.num_requests)]
 
     def _compare_lm(self, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
@@ -201,7 +206,7 @@ class InterleaveParityCheck(pl.Callback):
 
     def _compare_dit(self, generator: Any, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
         ids, idx = self._requests()
-        counts = self.probe_step_counts(loop.config)
+        counts = self.probe_step_counts(loop.config, loop.least_steps())
         n = len(ids)
         # Straight to the encoder, not through the module's feature cache: the probe must not move its hit rate.
         one = generator.encode([self.prompt])
@@ -220,6 +225,6 @@ class InterleaveParityCheck(pl.Callback):
             if (rec_b is None) != (rec_s is None):
                 report.failures.append(f"{where}: only one side captured a behavior record")
             elif rec_b is not None and rec_s is not None:
-                for name in ("prev", "sample", "old_logp"):
-                    b_val, s_val = getattr(rec_b, name)[sl], getattr(rec_s, name)
-                    report.values(f"{where} record.{name}", "transformer", b_val, s_val, self.tolerance)
+                serial = rec_s.behavior()
+                for name, b_val in rec_b.behavior().items():
+                    report.values(f"{where} record.{name}", "transformer", b_val[sl], serial[name], self.tolerance)

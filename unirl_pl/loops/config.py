@@ -74,6 +74,43 @@ class RolloutConfig:
         return self.guidance_scale != 1.0
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """Which denoising steps of each sample a rollout runs stochastically (and records for training).
+
+    Sample ``i`` runs the stochastic step ``kind`` (a key of :data:`unirl_pl.sampling.STOCHASTIC_STEPS`) at
+    steps ``[starts[i], starts[i] + size)`` and the ODE elsewhere. ``size == 0`` (or ``noise_level == 0``) is
+    the ODE everywhere, with no record. Every sample records the same number of steps, so the record is
+    rectangular; where they are varies by sample only when ``starts`` does. An algorithm builds one per
+    rollout (:meth:`unirl_pl.algorithms.GeneratorAlgorithm.plan`).
+    """
+
+    starts: tuple[int, ...]
+    size: int
+    kind: str = "sde"
+    noise_level: float = 0.7
+
+    def __post_init__(self) -> None:
+        if self.size < 0 or any(s < 0 for s in self.starts):
+            raise ValueError(f"a step plan needs size >= 0 and starts >= 0, got size {self.size}, starts {self.starts}")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
+
+    @classmethod
+    def ode(cls, n: int) -> StepPlan:
+        """The deterministic sampler for ``n`` samples: no stochastic step, no record."""
+        return cls(starts=(0,) * n, size=0)
+
+    @property
+    def stochastic(self) -> bool:
+        """Whether any step draws noise (and the rollout returns a record)."""
+        return self.size > 0 and self.noise_level > 0
+
+    def least_steps(self) -> list[int]:
+        """Per sample, the fewest denoising steps that reach the end of its stochastic steps (1 without any)."""
+        return [s + self.size if self.stochastic else 1 for s in self.starts]
+
+
 def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
     """Consecutive ``[start, end)`` slices of at most ``size`` items (one slice when size is None)."""
     size = n if size is None else size

@@ -1,7 +1,9 @@
 """``diffusion_denoise``: the flow sampler, sampled in a profile and re-scored for training.
 
-Rollout runs the SDE inside the window (ODE elsewhere) and records every SDE step: x_t, x_next, the
-sigmas and the Gaussian log-prob of x_next. ``step_logprob`` (the ``train`` profile) re-scores one
+Rollout runs what the generator's algorithm plans (:class:`StepPlan`): a stochastic step (Flow-GRPO's SDE
+or CPS) at each sample's planned steps, the ODE elsewhere, and records every stochastic step: x_t, x_next,
+the sigmas and the log-prob of x_next. A likelihood-free algorithm samples the ODE and records what it needs
+itself. ``step_logprob`` (the ``train`` profile) re-scores one
 recorded step under the current weights in rollout's micro-batch composition, with the same
 conditioning and guidance, so on unchanged weights the recompute is bit-identical by construction.
 The loop is generator-agnostic: it needs ``latent_shape`` and ``velocity(latents, sigma, cond)``.
@@ -19,9 +21,9 @@ from torch import Tensor
 
 from unirl_pl.distributed import agree_max
 from unirl_pl.generators.schedule import Schedule
-from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
+from unirl_pl.loops.config import Profile, RolloutConfig, StepPlan, chunk_bounds
 from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
-from unirl_pl.sampling import flow_sde_step_with_logprob, flow_sigmas, ode_step
+from unirl_pl.sampling import STOCHASTIC_STEPS, flow_sigmas, ode_step
 from unirl_pl.seeding import STREAM_NOISE, sample_generators
 
 SCHEDULE_FILE = "schedule.json"
@@ -53,10 +55,16 @@ class DiffusionDenoise:
     Args:
         generator: Anything with ``latent_shape`` (per sample) and ``velocity(latents, sigma, cond)``.
         config: Sampling settings (steps, shift, noise level, SDE window, micro-batch, guidance).
+        algorithm: The generator's training algorithm (:mod:`unirl_pl.algorithms`): it decides what the
+            ``rollout`` profile runs and records (None: Flow-GRPO on ``config``'s SDE window).
     """
 
-    def __init__(self, generator: Any, config: RolloutConfig) -> None:
-        self.generator, self.config = generator, config
+    def __init__(self, generator: Any, config: RolloutConfig, algorithm: Any = None) -> None:
+        if algorithm is None:
+            from unirl_pl.algorithms.flow_grpo import FlowGRPO  # the algorithms import the loops
+
+            algorithm = FlowGRPO()
+        self.generator, self.config, self.algorithm = generator, config, algorithm
 
     def schedule(self, num_steps: int) -> Schedule:
         """The schedule sampled with for ``num_steps`` steps: ``rollout.shift`` when set, else the generator's
@@ -77,16 +85,19 @@ class DiffusionDenoise:
         return self.schedule(num_steps).sigmas
 
     def describe(self) -> dict[str, Any]:
-        """What ``schedule.json`` holds: the configured step count's sigmas, the SDE (trained) step indices
-        and the schedule's source."""
+        """What ``schedule.json`` holds: the configured step count's sigmas, the stochastic (trained) step
+        indices as the algorithm states them, and the schedule's source."""
         schedule = self.schedule(self.config.num_steps)
-        start, end = self.config.sde_window
         return {
             "sigmas": schedule.sigmas.tolist(),
-            "sde_steps": list(range(start, end)) if self.config.noise_level > 0 else [],
+            **self.algorithm.describe(self.config),
             "source": schedule.source,
             **({"details": schedule.details} if schedule.details else {}),
         }
+
+    def least_steps(self) -> int:
+        """The fewest denoising steps a ``rollout`` request may run (its algorithm's stochastic steps must fit)."""
+        return int(self.algorithm.least_steps(self.config))
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
         """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on.
@@ -114,20 +125,53 @@ class DiffusionDenoise:
         version: int = 0,
         uncond: Cond | None = None,
         num_steps: Sequence[int] | None = None,
-    ) -> tuple[Tensor, DiTRecord | None]:
-        """Sample latents (N, *latent_shape); in ``rollout`` also return the record of every SDE step.
+    ) -> tuple[Tensor, Any]:
+        """Sample latents (N, *latent_shape); in ``rollout`` also return the algorithm's behavior record.
 
+        ``serve`` runs the ODE. ``rollout`` is the algorithm's (:meth:`GeneratorAlgorithm.rollout`): for the
+        likelihood algorithms the stochastic steps of its :class:`StepPlan` with a ``DiTRecord`` of them.
         ``num_steps`` gives each request its own step count (default: the config's for all). The batch
         then advances one step at a time with every sample on its own schedule, a finished sample
         leaving the batch, the way an interleaving server mixes requests; the record's sigmas become
-        per-sample. In ``rollout`` every count must reach the end of the SDE window, so all samples
-        are in the batch for every recorded step and the recompute sees the same composition.
+        per-sample. In ``rollout`` every count must reach the end of the sample's stochastic steps, so all
+        samples are in the batch for every recorded step and the recompute sees the same composition.
+        """
+        if profile == "rollout":
+            return self.algorithm.rollout(
+                self, cond, request_ids, sample_indices, seed=seed, version=version, uncond=uncond, num_steps=num_steps
+            )
+        plan = StepPlan.ode(len(request_ids))
+        return self.run(
+            cond, request_ids, sample_indices, plan, seed=seed, version=version, uncond=uncond, num_steps=num_steps
+        )
+
+    @torch.no_grad()
+    def run(
+        self,
+        cond: Cond,
+        request_ids: Sequence[int],
+        sample_indices: Sequence[int],
+        plan: StepPlan,
+        *,
+        seed: int,
+        version: int = 0,
+        uncond: Cond | None = None,
+        num_steps: Sequence[int] | None = None,
+    ) -> tuple[Tensor, DiTRecord | None]:
+        """Run ``plan``: the ODE everywhere but each sample's stochastic steps, which are recorded.
+
+        A denoising step where every live sample is stochastic (or none is) runs as one batched step; where
+        some are, the ODE step of the others and the stochastic step of those are each elementwise, so every
+        sample's result is the one it gets alone. Each sample draws its noise from its own generator, in
+        the order of its own stochastic steps only.
         """
         cfg = self.config
         n = len(request_ids)
-        start, end = cfg.sde_window
-        sde = profile == "rollout" and cfg.noise_level > 0
-        steps = self._step_counts(n, num_steps, end if sde else 1)
+        if len(plan.starts) != n:
+            raise ValueError(f"the step plan has {len(plan.starts)} starts for {n} requests")
+        stochastic = plan.stochastic
+        step_fn = STOCHASTIC_STEPS[plan.kind]
+        steps = self._step_counts(n, num_steps, plan.least_steps())
         table = sigma_table(steps, self.sigmas)
         gens_all = sample_generators(seed, request_ids, sample_indices, STREAM_NOISE)
         # Each sample draws its own start first either way, so its generator's later (SDE) draws do not
@@ -142,12 +186,17 @@ class DiffusionDenoise:
             starts = [first[r] for r in request_ids]
         device = next(iter(cond.values())).device
         chunks = chunk_bounds(n, cfg.micro_batch_size)
+        size = plan.size
         latents, prevs, samples, logps = [], [], [], []
         for a, b in chunks:
             gens = gens_all[a:b]
             x = torch.stack(starts[a:b]).to(device)
             sig, counts, c_cond = table[a:b], steps[a:b], cond_rows(cond, slice(a, b))
-            c_prev, c_sample, c_logp = [], [], []
+            first = plan.starts[a:b]
+            if stochastic:
+                c_prev = x.new_empty(b - a, size, *x.shape[1:])
+                c_sample = torch.empty_like(c_prev)
+                c_logp = torch.zeros(b - a, size, dtype=torch.float32, device=device)
             for i in range(agree_max(max(counts), device)):
                 live = [j for j, c in enumerate(counts) if i < c]
                 if not live:
@@ -159,63 +208,86 @@ class DiffusionDenoise:
                 s, s_next = sig[live, i], sig[live, i + 1]
                 xs = x if rows is None else x.index_select(0, rows)
                 v = self.velocity(xs, s, cond_rows(c_cond, rows), uncond)
-                if sde and start <= i < end:
-                    x_next, logp, _, _ = flow_sde_step_with_logprob(
-                        xs, v, s, s_next, sigma_max=sig[:, 1], noise_level=cfg.noise_level, generator=gens
-                    )
-                    c_prev.append(xs)
-                    c_sample.append(x_next)
-                    c_logp.append(logp)
-                else:
+                picked = [k for k, j in enumerate(live) if stochastic and first[j] <= i < first[j] + size]
+                if not picked:
                     x_next = ode_step(xs, v, s, s_next)
+                else:
+                    some = len(picked) < len(live)
+                    at = torch.tensor(picked, device=device) if some else None
+                    members = [live[k] for k in picked]
+                    x_sto, logp, _, _ = step_fn(
+                        xs if at is None else xs.index_select(0, at),
+                        v if at is None else v.index_select(0, at),
+                        s[picked] if some else s,
+                        s_next[picked] if some else s_next,
+                        sigma_max=sig[members, 1],
+                        noise_level=plan.noise_level,
+                        generator=[gens[j] for j in members],
+                    )
+                    x_next = x_sto if at is None else ode_step(xs, v, s, s_next).index_copy(0, at, x_sto)
+                    where = (torch.tensor(members), torch.tensor([i - first[j] for j in members]))
+                    c_prev[where] = xs if at is None else xs.index_select(0, at)
+                    c_sample[where] = x_sto
+                    c_logp[where] = logp
                 x = x_next if rows is None else x.index_copy(0, rows, x_next)
             latents.append(x)
-            if sde:
-                prevs.append(torch.stack(c_prev, 1))
-                samples.append(torch.stack(c_sample, 1))
-                logps.append(torch.stack(c_logp, 1))
+            if stochastic:
+                prevs.append(c_prev)
+                samples.append(c_sample)
+                logps.append(c_logp)
         out = torch.cat(latents)
-        if not sde:
+        if not stochastic:
             return out, None
-        # A shared schedule keeps the compact (S,) form; mixed step counts need per-sample sigmas.
-        shared = len(set(steps)) == 1
-        schedule = table[0] if shared else table
+        # A shared schedule and shared stochastic steps keep the compact (S,) form; otherwise per-sample sigmas.
+        offsets = torch.tensor(plan.starts)[:, None] + torch.arange(size)[None, :]
+        if len(set(steps)) == 1 and len(set(plan.starts)) == 1:
+            start = plan.starts[0]
+            sigma, sigma_next = table[0, start : start + size].clone(), table[0, start + 1 : start + size + 1].clone()
+            sigma_max: float | Tensor = float(table[0, 1])
+        else:
+            sigma, sigma_next = table.gather(1, offsets), table.gather(1, offsets + 1)
+            sigma_max = table[:, 1].clone()
         record = DiTRecord(
             prev=torch.cat(prevs),
             sample=torch.cat(samples),
-            sigma=schedule[..., start:end].clone(),
-            sigma_next=schedule[..., start + 1 : end + 1].clone(),
+            sigma=sigma,
+            sigma_next=sigma_next,
             old_logp=torch.cat(logps),
             cond=cond,
-            sigma_max=float(table[0, 1]) if shared else table[:, 1].clone(),
-            noise_level=cfg.noise_level,
+            sigma_max=sigma_max,
+            noise_level=plan.noise_level,
             chunks=chunks,
             version=version,
             uncond=uncond,
+            kind=plan.kind,
+            starts=torch.tensor(plan.starts),
         )
         return out, record
 
-    def _step_counts(self, n: int, num_steps: Sequence[int] | None, least: int) -> list[int]:
+    def _step_counts(self, n: int, num_steps: Sequence[int] | None, least: Sequence[int]) -> list[int]:
         if num_steps is None:
-            return [self.config.num_steps] * n
-        steps = [int(c) for c in num_steps]
-        if len(steps) != n:
-            raise ValueError(f"num_steps has {len(steps)} entries for {n} requests")
-        if min(steps) < least:
+            steps = [self.config.num_steps] * n
+        else:
+            steps = [int(c) for c in num_steps]
+            if len(steps) != n:
+                raise ValueError(f"num_steps has {len(steps)} entries for {n} requests")
+        short = [(c, need) for c, need in zip(steps, least, strict=True) if c < need]
+        if short:
             raise ValueError(
-                f"every request needs >= {least} steps (rollout records the SDE window "
-                f"{self.config.sde_window}), got num_steps={steps}"
+                f"every request needs >= {max(need for _, need in short)} steps (rollout records its stochastic "
+                f"steps, {self.algorithm.describe(self.config).get('sde_steps')}), got num_steps={steps}"
             )
         return steps
 
     def step_logprob(self, record: DiTRecord, step: int, chunk: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
-        """Re-score step ``step`` of the samples in ``chunk``: (log_prob, mean, std) under current weights."""
+        """Re-score step ``step`` of the samples in ``chunk``: (log_prob, mean, std) under current weights, with
+        the stochastic step that drew the record (``record.kind``)."""
         a, b = chunk
         # Contiguous copies: strided slices of the (N, S, ...) record cost the forward and its backward.
         x = record.prev[a:b, step].contiguous()
         s, s_next, sigma_max = record.step_sigmas(step, chunk)
         v = self.velocity(x, s, cond_rows(record.cond, slice(a, b)), record.uncond)
-        _, logp, mean, std = flow_sde_step_with_logprob(
+        _, logp, mean, std = STOCHASTIC_STEPS[record.kind](
             x,
             v,
             s,

@@ -158,4 +158,5 @@ class ExperienceSource:
             zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
             images=images,
             fallback_frac=sum(fell_back) / len(fell_back) if fell_back else None,
+            image_advantages=image_adv.to(device),
         )

@@ -81,6 +81,19 @@ def anchor_and_weights(
     return old, truncated_importance_weights(old, behavior, settings.tis_cap)
 
 
+def score_with_reference(
+    loop: ARDecode, record: LMRecord, settings: ExpertLoss, reference: Reference
+) -> tuple[Tensor, Tensor | None]:
+    """The record's token log-probs under the current weights (with grad) and, when ``settings.beta > 0``,
+    under the reference (no grad)."""
+    logp = loop.score(record)
+    ref = None
+    if settings.beta > 0:
+        with torch.no_grad(), reference():
+            ref = loop.score(record)
+    return logp, ref
+
+
 def lm_loss(
     loop: ARDecode,
     record: LMRecord,

@@ -2,11 +2,13 @@
 
 On the unified card every expert trains through one loop (the LM through ``ar_decode``, the generator
 through ``diffusion_denoise``); a mixture-of-transformers card binds one component to both loops and its
-losses add. Nothing here names an expert: the card says which loop a component trains through.
+losses add. Nothing here names an expert or a loop: the card says which loop a component trains through,
+and each loop's algorithm (:mod:`unirl_pl.algorithms`) builds its loss and says what the C2 gate checks.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -16,10 +18,9 @@ import torch
 from torch import Tensor
 
 from unirl_pl.card import Card
-from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss, dit_loss, lm_loss, weighted_loss
-from unirl_pl.records import DiTRecord, Experience, LMRecord
+from unirl_pl.method.grpo import ExpertLoss, weighted_loss
+from unirl_pl.records import Experience
 
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]
 """Component -> (recomputed, behavior, mask) log-probs of its record."""
@@ -34,6 +35,7 @@ class PolicyLosses:
         loops: Loop name -> the built loop (``ar_decode`` may be absent when the mode never runs it).
         experts: Component -> the expert (its ``adapter_disabled`` is the KL reference).
         settings: Component name -> its policy-loss settings (read at every step, so a changed setting applies).
+        algorithms: Loop name -> the algorithm that trains that loop's records.
 
     With a rollout correction on, the first loss call on a record (the first PPO epoch, weights not yet
     stepped) keeps its recomputed log-probs as the record's "old" log-probs; later calls on the same record
@@ -42,9 +44,10 @@ class PolicyLosses:
     """
 
     card: Card
-    loops: dict[str, ARDecode | DiffusionDenoise]
+    loops: dict[str, Any]
     experts: dict[str, Any]
     settings: Callable[[str], ExpertLoss]
+    algorithms: dict[str, Any]
     _anchors: dict[str, tuple[weakref.ref, Tensor]] = field(default_factory=dict, init=False, repr=False)
 
     def loops_with_records(self, name: str, exp: Experience) -> list[str]:
@@ -57,13 +60,12 @@ class PolicyLosses:
         outputs = []
         for loop in self.loops_with_records(name, exp):
             record, settings = exp.records[loop], self.settings(name)
-            args = (self.loops[loop], record, exp.advantages[loop], settings)
+            algorithm = self.algorithms[loop]
+            algorithm.check_settings(settings)
             reference = self.experts[name].adapter_disabled
             anchor = self.anchor(loop, record)
-            if loop == "diffusion_denoise":
-                out = dit_loss(*args, reference, backward=backward, anchor=anchor)
-            else:
-                out = lm_loss(*args, reference, anchor=anchor)
+            args = (self.loops[loop], record, exp.advantages[loop], settings, reference)
+            out = algorithm.loss(*args, backward=backward, anchor=anchor)
             if settings.rollout_correction != "off" and anchor is None and out.logp is not None:
                 self._anchors[loop] = (weakref.ref(record), out.logp)
             outputs.append(out)
@@ -71,34 +73,67 @@ class PolicyLosses:
             return None
         return outputs[0] if len(outputs) == 1 else sum_losses(outputs)
 
-    def anchor(self, loop: str, record: LMRecord | DiTRecord) -> Tensor | None:
+    def anchor(self, loop: str, record: Any) -> Tensor | None:
         """The log-probs the first loss call on ``record`` recomputed (None before it, or for another record)."""
         kept = self._anchors.get(loop)
         return kept[1] if kept is not None and kept[0]() is record else None
 
     def logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> LogProbs:
-        """The log-probs the losses were built from, with the records' behavior log-probs and masks."""
+        """What the C2 gate compares per component: the log-probs the losses were built from with the records'
+        behavior log-probs and masks (or, for a likelihood-free algorithm, its own identity)."""
         found = {}
         for name, out in outputs.items():
             loops = self.loops_with_records(name, exp)
-            if out.logp is not None and len(loops) == 1:
-                found[name] = (out.logp, *_behavior(exp, loops[0]))
+            if len(loops) == 1:
+                found[name] = self.algorithms[loops[0]].gate_values(self.loops[loops[0]], exp.records[loops[0]], out)
         return found
 
     @torch.no_grad()
     def recompute(self, exp: Experience, trained: list[str]) -> LogProbs:
-        """Every trained component's record re-scored under the current weights (a forward of its own)."""
+        """Every trained component's gate values recomputed under the current weights (a forward of its own)."""
         found = {}
         for name in trained:
             for loop in self.loops_with_records(name, exp):
-                found[name] = (self.loops[loop].score(exp.records[loop]), *_behavior(exp, loop))
+                found[name] = self.algorithms[loop].gate_values(self.loops[loop], exp.records[loop], None)
         return found
 
+    def loss_weight(self, name: str, exp: Experience, strategy: Any) -> float:
+        """The factor on component ``name``'s not yet backpropagated loss that makes the ranks' averaged
+        gradient the global one (the LM's tokens); 1 on one process."""
+        weights = [
+            self.algorithms[loop].loss_weight(exp.records[loop], strategy)
+            for loop in self.loops_with_records(name, exp)
+        ]
+        return math.prod(weights)
 
-def _behavior(exp: Experience, loop: str) -> tuple[Tensor, Tensor]:
-    record = exp.records[loop]
-    mask = getattr(record, "gen_mask", None)
-    return record.old_logp, torch.ones_like(record.old_logp, dtype=torch.bool) if mask is None else mask
+    def rollout_metrics(self, exp: Experience) -> dict[str, Tensor | float]:
+        """Each recorded loop's algorithm's metrics of its record, named by the loop's owner."""
+        metrics: dict[str, Tensor | float] = {}
+        for loop, record in exp.records.items():
+            metrics.update(self.algorithms[loop].metrics(self.card.owner(loop), record))
+        return metrics
+
+    def position(self, name: str) -> str:
+        """What a column of component ``name``'s gate values is (``token``, ``SDE step``, ...)."""
+        return " / ".join(dict.fromkeys(self.algorithms[loop].position for loop in self.card.loops_of(name)))
+
+    def describe_row(self, name: str, exp: Experience, row: int) -> str:
+        """Which sample row ``row`` of component ``name``'s gate values is."""
+        loops = self.loops_with_records(name, exp)
+        if not loops:
+            return "?"
+        return self.algorithms[loops[0]].describe_row(exp, exp.records[loops[0]], row)
+
+    def begin_step(self, step: int) -> None:
+        """Every algorithm's schedule hook, before step ``step``'s rollout."""
+        for algorithm in self.algorithms.values():
+            algorithm.begin_step(step)
+
+    def end_step(self, name: str, step: int) -> None:
+        """The algorithms of component ``name``'s loops, after its update of step ``step`` was applied."""
+        for loop in self.card.loops_of(name):
+            if loop in self.algorithms:
+                self.algorithms[loop].end_step(step)
 
 
 def sum_losses(outputs: list[LossOutput]) -> LossOutput:

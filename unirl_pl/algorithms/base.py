@@ -1,0 +1,168 @@
+"""What an algorithm is: how one trained expert learns from its loop's records.
+
+An algorithm states what the rollout must record for it (:meth:`GeneratorAlgorithm.plan`: which denoising
+steps of each sample are stochastic, with which step, possibly as a function of the training step), its loss
+on that record (:meth:`Algorithm.loss`), what the C2 gate checks for it (:meth:`Algorithm.gate_values`: the
+recomputed and recorded behavior log-probs of a likelihood method, or the identity a likelihood-free method
+has instead) and its schedule over training steps (:meth:`Algorithm.begin_step`, :meth:`Algorithm.end_step`).
+The LightningModule, the policy losses and the gates only call these methods; adding an algorithm is one file
+in this package, a recipe overlay and its tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unirl_pl.loops.config import RolloutConfig, StepPlan
+from unirl_pl.losses import LossOutput
+from unirl_pl.records import Experience
+
+Reference = Callable[[], AbstractContextManager[None]]
+"""A context in which the expert is its reference policy (its adapter disabled)."""
+
+Backward = Callable[[Tensor], None]
+"""Backpropagates one loss term as soon as it is built (the DiT's per-step backward)."""
+
+GateValues = tuple[Tensor, Tensor, Tensor]
+"""``(recomputed, recorded, mask)``, each (rows, positions): what the C2 gate compares for one record."""
+
+
+class Algorithm:
+    """The methods every algorithm has; the defaults are those of an on-policy method without state.
+
+    Subclasses set ``position`` (what a column of the gate's values is, for its messages) and implement
+    :meth:`loss` and :meth:`gate_values`.
+    """
+
+    position = "position"
+    likelihood = True
+
+    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
+        """Called once the expert is built and its loop exists; ``trained`` says whether the mode updates it.
+
+        Raise ``ValueError`` here for settings this algorithm cannot run with.
+        """
+
+    def check_settings(self, settings: Any) -> None:
+        """Raise ``ValueError`` if the expert's loss settings (``ExpertLoss``) make no sense for this algorithm."""
+
+    def begin_step(self, step: int) -> None:
+        """Called with the trainer's global step before that step's rollout (the schedule hook)."""
+
+    def end_step(self, step: int) -> None:
+        """Called after step ``step``'s optimizer updates were applied (not on a skipped step)."""
+
+    def loss(
+        self,
+        loop: Any,
+        record: Any,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        *,
+        backward: Backward | None = None,
+        anchor: Tensor | None = None,
+    ) -> LossOutput:
+        """The loss of ``record`` under the current weights, with the expert's ``settings`` (``ExpertLoss``).
+
+        ``backward``, when given, may be called on each term as soon as it is built (the returned loss is
+        then marked ``backpropagated``); ``anchor`` is the first PPO epoch's recomputed log-probs when a
+        rollout correction is on.
+        """
+        raise NotImplementedError
+
+    def gate_values(self, loop: Any, record: Any, out: LossOutput | None) -> GateValues:
+        """What the C2 gate compares: from the loss's first forward ``out`` when it has them, else recomputed."""
+        raise NotImplementedError
+
+    def loss_weight(self, record: Any, strategy: Any) -> float:
+        """Factor on a not yet backpropagated loss so that the ranks' averaged gradient is the global one."""
+        return 1.0
+
+    def metrics(self, name: str, record: Any) -> dict[str, Tensor | float]:
+        """Per-step metrics of expert ``name``'s record (logged with the rollout's)."""
+        return {}
+
+    def describe_row(self, exp: Experience, record: Any, row: int) -> str:
+        """Which sample row ``row`` of the gate's values is, for its messages."""
+        return f"prompt {exp.prompts[row]!r}, refined {exp.refined[row]!r}"
+
+    def state_dict(self) -> dict[str, Any]:
+        """State that a resumed run needs to continue exactly (saved in the checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
+
+class GeneratorAlgorithm(Algorithm):
+    """An algorithm of the generator (the ``diffusion_denoise`` loop).
+
+    A likelihood method returns the :class:`StepPlan` of one rollout from :meth:`plan`; the loop runs it and
+    records its stochastic steps (a ``DiTRecord``). A method that records something else overrides
+    :meth:`rollout` and runs the loop itself.
+    """
+
+    position = "SDE step"
+
+    def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
+        """The stochastic steps of one rollout of these samples."""
+        raise NotImplementedError
+
+    def rollout(
+        self,
+        loop: Any,
+        cond: Any,
+        request_ids: Any,
+        sample_indices: Any,
+        *,
+        seed: int,
+        version: int = 0,
+        uncond: Any = None,
+        num_steps: Any = None,
+    ) -> tuple[Tensor, Any]:
+        """Latents and the behavior record of one ``rollout``-profile sampling (the loop's ``run`` of :meth:`plan`)."""
+        plan = self.plan(loop.config, seed, list(request_ids), list(sample_indices))
+        return loop.run(
+            cond, request_ids, sample_indices, plan, seed=seed, version=version, uncond=uncond, num_steps=num_steps
+        )
+
+    def describe(self, config: RolloutConfig) -> dict[str, Any]:
+        """What ``schedule.json`` says about the algorithm: ``sde_steps``, the trained denoising steps."""
+        raise NotImplementedError
+
+    def least_steps(self, config: RolloutConfig) -> int:
+        """The fewest denoising steps a rollout request may run."""
+        raise NotImplementedError
+
+    def gate_values(self, loop: Any, record: Any, out: LossOutput | None) -> GateValues:
+        """The recomputed and recorded log-prob of every recorded step; every step is real."""
+        recomputed = out.logp if out is not None and out.logp is not None else loop.score(record)
+        return recomputed, record.old_logp, torch.ones_like(record.old_logp, dtype=torch.bool)
+
+
+class RefinerAlgorithm(Algorithm):
+    """An algorithm of the prompt refiner (the ``ar_decode`` loop): the gate compares per-token log-probs."""
+
+    position = "token"
+
+    def gate_values(self, loop: Any, record: Any, out: LossOutput | None) -> GateValues:
+        """The recomputed and recorded log-prob of every generated token, masked to the real ones."""
+        recomputed = out.logp if out is not None and out.logp is not None else loop.score(record)
+        return recomputed, record.old_logp, record.gen_mask
+
+    def metrics(self, name: str, record: Any) -> dict[str, Tensor | float]:
+        """The mean number of generated tokens per refinement."""
+        return {f"{name}/response_tokens": record.gen_mask.sum(1).float().mean()}
+
+    def describe_row(self, exp: Experience, record: Any, row: int) -> str:
+        """The user prompt of the refinement in row ``row`` (record rows are the refined text samples)."""
+        text_row = int(record.rows[row])
+        images = (exp.text_index == text_row).nonzero()
+        prompt = exp.prompts[int(images[0])] if len(images) else "?"
+        return f"prompt {prompt!r}"

@@ -1,0 +1,134 @@
+"""Flow-GRPO (Liu et al., 2025): PPO on the Gaussian log-prob of SDE steps in a fixed window.
+
+The rollout runs Flow-GRPO's SDE at the steps of ``model.rollout.sde_window`` with
+``model.rollout.noise_level`` (the ODE elsewhere) and records them; the loss is the clipped ratio per
+recorded step plus the KL of the step means to the adapter-disabled reference (:func:`grpo.dit_loss`). With
+``guard`` the ratio is GRPO-Guard's (Wang et al., 2025): normalized by the step's noise scale with the
+mean-drift bias removed, and each step's surrogate reweighted by ``1 / -dt``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from unirl_pl.algorithms.base import Backward, GeneratorAlgorithm, Reference
+from unirl_pl.loops.config import RolloutConfig, StepPlan
+from unirl_pl.losses import LossOutput, grpo_guard_loss
+from unirl_pl.method import grpo
+from unirl_pl.method.grpo import anchor_and_weights, weighted_loss
+from unirl_pl.records import DiTRecord
+from unirl_pl.sampling import flow_kl
+
+
+class FlowGRPO(GeneratorAlgorithm):
+    """Flow-GRPO on the SDE window of ``model.rollout`` (``sde_window``, ``noise_level``): the default.
+
+    Args:
+        guard: GRPO-Guard's regulated clipping: the ratio ``exp((logp - old + b) * scale)`` with ``scale =
+            std * sqrt(-dt)`` and ``b`` the mean-drift term (so it is centred at 1 at every step), and each
+            step's surrogate divided by ``-dt``. The old step mean is the first PPO epoch's recompute (the C2
+            gate proves it equals rollout's). Off: Flow-GRPO's ratio, numbers as before algorithms existed.
+    """
+
+    kind = "sde"
+
+    def __init__(self, guard: bool = False) -> None:
+        self.guard = guard
+        self._old_means: tuple[weakref.ref, Tensor] | None = None
+
+    # ------------------------------------------------------------------ what the rollout records
+    def window(self, config: RolloutConfig) -> tuple[int, int]:
+        """The ``[start, end)`` stochastic steps of every sample."""
+        return config.sde_window
+
+    def noise_level(self, config: RolloutConfig) -> float:
+        """The noise level of the stochastic steps."""
+        return config.noise_level
+
+    def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
+        start, end = self.window(config)
+        return StepPlan((start,) * len(request_ids), end - start, self.kind, self.noise_level(config))
+
+    def describe(self, config: RolloutConfig) -> dict[str, Any]:
+        start, end = self.window(config)
+        return {"sde_steps": list(range(start, end)) if self.noise_level(config) > 0 else []}
+
+    def least_steps(self, config: RolloutConfig) -> int:
+        return self.window(config)[1]
+
+    # ------------------------------------------------------------------ the loss
+    def loss(
+        self,
+        loop: Any,
+        record: DiTRecord,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        *,
+        backward: Backward | None = None,
+        anchor: Tensor | None = None,
+    ) -> LossOutput:
+        if not self.guard:
+            return grpo.dit_loss(loop, record, advantages, settings, reference, backward=backward, anchor=anchor)
+        return self._guard_loss(loop, record, advantages, settings, reference, backward, anchor)
+
+    def _guard_loss(
+        self,
+        loop: Any,
+        record: DiTRecord,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        backward: Backward | None,
+        anchor: Tensor | None,
+    ) -> LossOutput:
+        """:func:`grpo.dit_loss` with GRPO-Guard's term per (step, micro-batch)."""
+        kept = self._old_means
+        old_means = kept[1] if kept is not None and kept[0]() is record else None
+        first = old_means is None
+        if first:
+            old_means = torch.empty_like(record.sample, dtype=torch.float32)
+        total = record.old_logp.numel()
+        parts: list[tuple[float, LossOutput]] = []
+        recomputed = torch.empty_like(record.old_logp)
+        for step, (a, b) in record.steps():
+            logp, mean, std = loop.step_logprob(record, step, (a, b))
+            recomputed[a:b, step] = logp.detach()
+            if first:
+                old_means[a:b, step] = mean.detach()
+            kl = None
+            if settings.beta > 0:
+                with torch.no_grad(), reference():
+                    _, ref_mean, _ = loop.step_logprob(record, step, (a, b))
+                kl = flow_kl(mean, ref_mean, std)
+            s, s_next, _ = record.step_sigmas(step, (a, b))
+            dt = torch.as_tensor(s_next, dtype=torch.float32) - torch.as_tensor(s, dtype=torch.float32)
+            dt = dt.expand(b - a).to(logp.device)
+            scale = std.reshape(std.shape[0], -1)[:, 0].expand(b - a) * torch.sqrt(-dt)
+            behavior = record.old_logp[a:b, step]
+            old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
+            out = grpo_guard_loss(
+                logp,
+                old,
+                advantages[a:b],
+                mean,
+                old_means[a:b, step],
+                scale,
+                dt,
+                kl=kl,
+                clip_eps=settings.clip_eps,
+                beta=settings.beta,
+                is_weights=weights,
+            )
+            weight = (b - a) / total
+            if backward is not None:
+                backward(weight * out.loss)
+            parts.append((weight, out))
+        if first:
+            self._old_means = (weakref.ref(record), old_means)
+        return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)

@@ -1,0 +1,73 @@
+"""Flow-GRPO-Fast: the SDE on a few randomly placed consecutive steps per trajectory, ODE elsewhere.
+
+As Flow-GRPO's ``train_sd3_fast.py`` (``sde_window_size``, ``sde_window_range``): a window of ``window_size``
+steps starts uniformly at random in ``window_range`` and only its steps are stochastic, recorded and trained,
+so training costs ``window_size`` forwards per sample instead of the whole window's. The reference draws one
+start per batch; here each sample draws its own from a generator keyed by its seed (run seed, request id,
+sample index), so a sample's window does not depend on its batch, its rank or the run's history, and a
+resumed run draws the same windows.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unirl_pl.algorithms.flow_grpo import FlowGRPO
+from unirl_pl.loops.config import RolloutConfig, StepPlan
+from unirl_pl.seeding import sample_generators
+
+STREAM_WINDOW = 2
+"""The seeding stream of a sample's window position (0 and 1 are its tokens and its noise)."""
+
+
+class FlowGRPOFast(FlowGRPO):
+    """Flow-GRPO on ``window_size`` consecutive SDE steps placed at random per sample within ``window_range``.
+
+    Args:
+        window_size: Stochastic (trained) steps per trajectory (the reference uses 1 or 2).
+        window_range: ``[lo, hi)`` denoising steps the window lies in (None: ``[0, num_steps - 1)``, every step
+            but the last, whose SDE variance Flow-GRPO's step degenerates at).
+        guard: GRPO-Guard's regulated clipping (see :class:`FlowGRPO`).
+    """
+
+    def __init__(self, window_size: int = 2, window_range: tuple[int, int] | None = None, guard: bool = False) -> None:
+        super().__init__(guard=guard)
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        if window_range is not None and not 0 <= window_range[0] < window_range[0] + window_size <= window_range[1]:
+            raise ValueError(f"window_range {window_range} must hold window_size={window_size} steps from >= 0")
+        self.window_size = window_size
+        self.window_range = None if window_range is None else (int(window_range[0]), int(window_range[1]))
+
+    def span(self, config: RolloutConfig) -> tuple[int, int]:
+        """The ``[lo, hi)`` steps the windows lie in, checked against ``config.num_steps``."""
+        lo, hi = self.window_range or (0, config.num_steps - 1)
+        if not 0 <= lo < lo + self.window_size <= hi <= config.num_steps:
+            raise ValueError(
+                f"FlowGRPOFast: window_range [{lo}, {hi}) must hold window_size={self.window_size} steps within "
+                f"num_steps={config.num_steps}"
+            )
+        return lo, hi
+
+    def starts(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> list[int]:
+        """Each sample's first stochastic step: uniform over the span's positions, from its own generator."""
+        lo, hi = self.span(config)
+        positions = hi - self.window_size - lo + 1
+        gens = sample_generators(seed, request_ids, sample_indices, STREAM_WINDOW)
+        return [lo + int(torch.randint(positions, (1,), generator=g)) for g in gens]
+
+    def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
+        starts = self.starts(config, seed, request_ids, sample_indices)
+        return StepPlan(tuple(starts), self.window_size, self.kind, self.noise_level(config))
+
+    def describe(self, config: RolloutConfig) -> dict[str, Any]:
+        lo, hi = self.span(config)
+        return {
+            "sde_steps": list(range(lo, hi)) if self.noise_level(config) > 0 else [],
+            "sde_steps_per_sample": self.window_size,
+        }
+
+    def least_steps(self, config: RolloutConfig) -> int:
+        return self.span(config)[1]

@@ -1,0 +1,67 @@
+"""GSPO (Zheng et al., 2025): the refiner's PPO ratio per sequence instead of per token.
+
+Each refinement's importance ratio is the geometric mean of its token ratios, ``exp(mean_t(logp - old))``,
+clipped on a narrow asymmetric range (GSPO's ``3e-4`` below and ``4e-4`` above) and multiplied by the
+refinement's advantage; refinements average with equal weight. The reward is a sequence-level quantity, so
+its ratio is too: a single outlier token no longer decides the clip of its sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from torch import Tensor
+
+from unirl_pl.algorithms.base import Backward, Reference, RefinerAlgorithm
+from unirl_pl.distributed import token_loss_weight
+from unirl_pl.losses import LossOutput, gspo_loss
+from unirl_pl.method import grpo
+from unirl_pl.method.grpo import anchor_and_weights
+from unirl_pl.records import LMRecord
+
+
+class GSPO(RefinerAlgorithm):
+    """Sequence-level clipped ratio of the refiner (the KL to the reference stays token-level k3).
+
+    Args:
+        clip_eps_low: Lower clip range ``1 - clip_eps_low`` of the sequence ratio (GSPO: 3e-4); it replaces
+            ``model.llm_loss.clip_eps``, whose 0.2 is a token-ratio range.
+        clip_eps_high: Upper clip range ``1 + clip_eps_high`` (GSPO: 4e-4).
+    """
+
+    def __init__(self, clip_eps_low: float = 3e-4, clip_eps_high: float = 4e-4) -> None:
+        if clip_eps_low <= 0 or clip_eps_high <= 0:
+            raise ValueError(f"clip ranges must be > 0, got {clip_eps_low} and {clip_eps_high}")
+        self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
+
+    def loss(
+        self,
+        loop: Any,
+        record: LMRecord,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        *,
+        backward: Backward | None = None,
+        anchor: Tensor | None = None,
+    ) -> LossOutput:
+        logp, ref = grpo.score_with_reference(loop, record, settings, reference)
+        old, weights = anchor_and_weights(logp, record.old_logp, settings, anchor)
+        out = gspo_loss(
+            logp,
+            old,
+            advantages,
+            record.gen_mask,
+            ref_logp=ref,
+            eps_low=self.clip_eps_low,
+            eps_high=self.clip_eps_high,
+            beta=settings.beta,
+            is_weights=weights,
+        )
+        return replace(out, logp=logp.detach())
+
+    def loss_weight(self, record: LMRecord, strategy: Any) -> float:
+        # The policy term averages refinements: the ranks' mean gradient is the global one when each rank's
+        # loss is weighted by its share of the refinements.
+        return token_loss_weight(record.gen_mask.any(1), strategy)
