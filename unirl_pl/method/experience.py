@@ -60,21 +60,23 @@ class ExperienceSource:
     def __post_init__(self) -> None:
         # Remote reward terms are scored while the rest of the batch decodes (rewards/overlap.py). Read
         # once here, from the WeightedSum itself: tools may later wrap ``self.reward`` in a timer.
-        names, self._chunk = remote_terms(self.reward.terms)
+        names, self._chunk = remote_terms(getattr(self.reward, "terms", {}))
         self._remote = {name: partial(self.reward.score_term, name) for name in names}
+        self._normalizes = getattr(self.reward, "normalize", "none") == "group"
 
     def _decode_and_score(
         self, latents: Tensor, prompts: list[str], refined: list[str], groups: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
-        pending = {}
+        extra: dict = {"groups": groups} if self._normalizes else {}
         if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
-            images, pending = decode_while_scoring(
+            images, extra["pending"] = decode_while_scoring(
                 self.conditioning.decode, latents, self._chunk, self._remote, prompts, refined
             )
         else:
             images = self.conditioning.decode(latents)
-        rewards, parts = self.reward(prompts, refined, images, groups=groups, pending=pending)
+        # Only what is needed goes as keywords: any reward(prompts, refined, images) still fits here.
+        rewards, parts = self.reward(prompts, refined, images, **extra)
         return images, rewards, parts
 
     def _profile(self, loop: str) -> Profile:
