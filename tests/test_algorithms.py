@@ -7,6 +7,7 @@ The module-level tests build the tiny recipe once per algorithm on a 4-step sche
 
 from __future__ import annotations
 
+import importlib
 import math
 from contextlib import nullcontext
 from dataclasses import replace
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from tests.helpers import JOINT, ROOT, TINY
 from unirl_pl.algorithms import DAPO, GSPO, DiffusionNFT, FlowCPS, FlowGRPO, FlowGRPOFast, MixGRPO, TokenGRPO
@@ -364,21 +366,34 @@ def test_nft_refuses_guidance():
         build(*overlay("diffusion_nft"), "--model.rollout.guidance_scale=2.0")
 
 
-def test_every_overlay_applies_to_the_main_recipe_and_keeps_its_other_settings():
+def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
     expected = {
-        "flow_grpo": (FlowGRPO, TokenGRPO),
-        "grpo_guard": (FlowGRPO, TokenGRPO),
-        "flow_grpo_fast": (FlowGRPOFast, TokenGRPO),
-        "mix_grpo": (MixGRPO, TokenGRPO),
-        "cps": (FlowCPS, TokenGRPO),
-        "diffusion_nft": (DiffusionNFT, TokenGRPO),
-        "dapo": (FlowGRPO, DAPO),
-        "gspo": (FlowGRPO, GSPO),
+        "flow_grpo": ("generator_algorithm", FlowGRPO),
+        "grpo_guard": ("generator_algorithm", FlowGRPO),
+        "flow_grpo_fast": ("generator_algorithm", FlowGRPOFast),
+        "mix_grpo": ("generator_algorithm", MixGRPO),
+        "cps": ("generator_algorithm", FlowCPS),
+        "diffusion_nft": ("generator_algorithm", DiffusionNFT),
+        "dapo": ("llm_algorithm", DAPO),
+        "gspo": ("llm_algorithm", GSPO),
     }
     assert {p.stem for p in Path(OVERLAYS).glob("*.yaml")} == set(expected)
-    for name, (gen, llm) in expected.items():
-        model = main(["--config", JOINT, *overlay(name), *QUIET], run=False).model
-        assert type(model.generator_algorithm) is gen and type(model.llm_algorithm) is llm, name
+    for name, (key, cls) in expected.items():
+        part = yaml.safe_load((OVERLAYS / f"{name}.yaml").read_text())["model"]["init_args"][key]
+        module, _, attr = part["class_path"].rpartition(".")
+        assert getattr(importlib.import_module(module), attr) is cls, name
+        cls(**part.get("init_args", {}))  # its arguments are the class's
+    # Through the CLI on the main recipe: the overlay's keys merge, the recipe's others stay (a tiny fit per
+    # overlay is tests/test_algorithms_fit.py).
+    models = {
+        name: main(["--config", JOINT, *overlay(name), *QUIET], run=False).model for name in ("diffusion_nft", "gspo")
+    }
+    for name, model in models.items():
+        assert type(getattr(model, expected[name][0])) is expected[name][1], name
         assert model.losses["transformer"].clip_eps == 1e-4 and model.rollout_config.sde_window == (0, 4), name
-    guard = main(["--config", JOINT, *overlay("grpo_guard"), *QUIET], run=False).model.generator_algorithm
-    assert guard.guard
+        assert model.rollout_config.shared_start_noise and model.losses["llm"].clip_eps == 0.2
+    # gspo leaves the generator's KL weight alone; diffusion_nft sets its own.
+    assert (
+        models["gspo"].losses["transformer"].beta == 0.004
+        and models["diffusion_nft"].losses["transformer"].beta == 1e-4
+    )
