@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from unirl_pl.algorithms.base import Backward, GateValues, GeneratorAlgorithm, Reference
 from unirl_pl.loops.config import RolloutConfig, StepPlan, chunk_bounds
@@ -122,7 +123,8 @@ class DiffusionNFT(GeneratorAlgorithm):
                     p.copy_(c)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"old": [o.detach().clone() for o in self.old]}
+        # Full tensors under FSDP2 (a collective on every rank, as the checkpoint's own state dict is).
+        return {"old": [o.full_tensor() if isinstance(o, DTensor) else o.detach().clone() for o in self.old]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("old", [])
@@ -132,6 +134,8 @@ class DiffusionNFT(GeneratorAlgorithm):
             )
         with torch.no_grad():
             for o, s in zip(self.old, saved, strict=True):
+                if isinstance(o, DTensor):  # every rank holds the full tensor; keep this rank's shard
+                    s = distribute_tensor(s.to(o.device), o.device_mesh, o.placements)
                 o.copy_(s)
 
     # ------------------------------------------------------------------ what the rollout records
