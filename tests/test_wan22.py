@@ -283,7 +283,7 @@ def test_recipe_cpu_block_trains_both_experts_and_exports_for_wan_pipeline(tmp_p
         assert all(torch.equal(got[key], want[key]) for key in want)
     # The export command from the checkpoint (frozen base weights of both experts trimmed, refilled on load)
     # writes the same two adapters.
-    (ckpt,) = (tmp_path / "runs" / "wan22_t2v" / "checkpoints").glob("last*.ckpt")
+    (ckpt,) = (Path(cli.trainer.log_dir) / "checkpoints").glob("last*.ckpt")  # the run's own folder
     again = tmp_path / "from_ckpt"
     export_main(["--config", str(Path(cli.trainer.log_dir) / "config.yaml"), "--ckpt", str(ckpt), "--out", str(again)])
     for sub in ("transformer", "transformer/transformer_2"):

@@ -113,7 +113,7 @@ def run_name(mode: str, seed: int, split: str = "") -> str:
 
 # ------------------------------------------------------------------ commands
 def last_callback_is_checkpoint(config: Path) -> bool:
-    """Whether the recipe's last ``trainer.callbacks`` entry is a ``ModelCheckpoint``.
+    """Whether the recipe's last ``trainer.callbacks`` entry is a ``ModelCheckpoint`` (or ``RunCheckpoint``).
 
     ``--trainer.callbacks.dirpath=...`` sets ``dirpath`` of the last callback in the list, so it is
     given only when that callback is the checkpoint one.
@@ -127,7 +127,7 @@ def last_callback_is_checkpoint(config: Path) -> bool:
     callbacks = (recipe.get("trainer") or {}).get("callbacks") or []
     last = callbacks[-1] if isinstance(callbacks, list) and callbacks else None
     path = last.get("class_path", "") if isinstance(last, dict) else str(last or "")
-    return path.rsplit(".", 1)[-1] == "ModelCheckpoint"
+    return path.rsplit(".", 1)[-1] in ("ModelCheckpoint", "RunCheckpoint")
 
 
 def build_command(

@@ -507,12 +507,12 @@ def _loss_callers() -> list[Any]:
 
 
 def _step_callbacks(recipe: str) -> list[Any]:
-    """The recipe's callbacks less the progress bar (off) and ``ModelCheckpoint`` (periodic file I/O, not
+    """The recipe's callbacks less the progress bar (off) and the checkpoint one (periodic file I/O, not
     step compute; it would also write into the recipe's run folder)."""
     with open(recipe) as f:
         config = yaml.safe_load(f) or {}
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
-    dropped = ("ProgressBar", "ModelCheckpoint")
+    dropped = ("ProgressBar", "ModelCheckpoint", "RunCheckpoint")
     return [c for c in callbacks if not str(c.get("class_path", "") if isinstance(c, dict) else c).endswith(dropped)]
 
 

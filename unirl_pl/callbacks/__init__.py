@@ -6,6 +6,7 @@ from unirl_pl.callbacks.ledger import WeightVersionLedger
 from unirl_pl.callbacks.parity import InterleaveParityCheck
 from unirl_pl.callbacks.preemption import PreemptionCheckpoint
 from unirl_pl.callbacks.progress import RLProgressBar
+from unirl_pl.callbacks.run_checkpoint import RunCheckpoint
 from unirl_pl.callbacks.summary import RunSummary
 from unirl_pl.callbacks.writer import ImageWriter, ValidationImages
 
@@ -16,6 +17,7 @@ __all__ = [
     "LogProbIdentityCheck",
     "PreemptionCheckpoint",
     "RLProgressBar",
+    "RunCheckpoint",
     "RunSummary",
     "ValidationImages",
     "WeightVersionLedger",

@@ -40,15 +40,20 @@ def read_series(path: Path) -> Series:
     return series
 
 
-def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], size=(640, 400)) -> Image.Image:
+def reward_curve(
+    train: list[tuple[int, float]],
+    val: list[tuple[int, float]],
+    size: tuple[int, int] = (640, 400),
+    before: tuple[int, float] | None = None,
+) -> Image.Image:
     """A line chart against the step: the training reward (light blue, its running mean dark blue) and the
-    validation reward (orange dots)."""
+    validation reward (orange dots), starting from the validation before RL (``before``, an orange ring)."""
     width, height = size
     left, right, top, bottom = 56, 16, 28, 40
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
     font = ImageFont.load_default()
-    points = train + val
+    points = train + val + ([before] if before is not None else [])
     if not points:
         draw.text((left, height // 2), "no reward logged", fill="black", font=font)
         return img
@@ -87,17 +92,61 @@ def reward_curve(train: list[tuple[int, float]], val: list[tuple[int, float]], s
     for s, v in train if len(train) == 1 else []:
         x, y = xy(s, v)
         draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=blue)
-    if len(val) > 1:
-        draw.line([xy(s, v) for s, v in val], fill=orange, width=2)
+    line = ([before] if before is not None else []) + val
+    if len(line) > 1:
+        draw.line([xy(s, v) for s, v in line], fill=orange, width=2)
     for s, v in val:
         x, y = xy(s, v)
         draw.ellipse([x - 4, y - 4, x + 4, y + 4], fill=orange)
+    if before is not None:
+        x, y = xy(*before)
+        draw.ellipse([x - 5, y - 5, x + 5, y + 5], fill="white", outline=orange, width=2)
     # Legend.
     draw.line([left + 8, 12, left + 28, 12], fill=blue, width=2)
     draw.text((left + 32, 6), f"train {TRAIN_KEY}", fill="black", font=font)
     draw.ellipse([left + 180, 8, left + 188, 16], fill=orange)
-    draw.text((left + 194, 6), f"validation {VAL_KEY}", fill="black", font=font)
+    label = f"validation {VAL_KEY}" + (" (ring: before RL)" if before is not None else "")
+    draw.text((left + 194, 6), label, fill="black", font=font)
     return img
+
+
+def validation_text(before: tuple[int, float, int, int] | None, val: list[tuple[int, float]]) -> str | None:
+    """The summary's validation reward: before RL (the sanity check), then after the first and last validation.
+
+    ``before`` is (step, value, batches scored, batches of a full validation); a sanity check that scored
+    fewer batches than a full validation says so, since its number is then not on the same prompts. A
+    resumed run's sanity check scores the resumed weights, so it says the step instead of "before RL".
+    """
+    parts = []
+    if before is not None:
+        step, value, scored, full = before
+        when = "before RL" if step == 0 else f"at step {step}, before this run's updates"
+        partial = f", sanity check of {scored} of {full} batches" if scored < full else ""
+        parts.append(f"{value:.3f} ({when}{partial})")
+    shown = val[:1] + val[-1:] if len(val) > 1 else val
+    parts += [f"{value:.3f} (after step {step})" for step, value in shown]
+    return " -> ".join(parts) or None
+
+
+def checkpoint_rows(callback: Any) -> list[tuple[str, str]]:
+    """The summary's rows for one ``ModelCheckpoint``: each file named for what it is.
+
+    ``last`` is ``last.ckpt``; without a monitored metric Lightning still fills ``best_model_path``
+    with the newest periodic file, which is the "newest", not a best; ``best`` only when ``monitor`` is set.
+    """
+    last, kept = callback.last_model_path, callback.best_model_path
+    if not (last or kept):
+        return [("checkpoints", f"none saved (folder {callback.dirpath})")]
+    rows = [("checkpoints", f"{callback.dirpath}")]
+    if callback.monitor and kept:
+        score = callback.best_model_score
+        value = f" = {float(score):.4g}" if score is not None else ""
+        rows.append((f"checkpoint (best {callback.monitor}{value})", kept))
+    elif kept and kept != last:
+        rows.append(("checkpoint (newest)", kept))
+    if last:
+        rows.append(("checkpoint (last)", last))
+    return rows
 
 
 def _mean(values: list[float]) -> float:
@@ -108,12 +157,15 @@ class RunSummary(pl.Callback):
     """At the end of ``fit`` (rank 0): print a table of what the run did and write ``reward_curve.png``.
 
     The table: steps and time per step; ``reward/mean`` over the first and last ``window`` steps; the
-    validation reward (first and last); the worst (largest) ``c2/*_max_abs_diff`` and
-    ``parity/*_max_abs_diff`` the gates logged; the paths of ``metrics.csv``, the checkpoints, the
-    validation image grids and the reward curve. Metrics are read from the ``CSVLogger``'s
-    ``metrics.csv`` (the gates log there directly); without one, only the rewards the module logged
-    are shown. ``reward_curve.png`` (training and validation reward against the step) goes into the
-    logger's version folder, and to TensorBoard when a ``TensorBoardLogger`` is attached.
+    validation reward before RL (the sanity check's, when it ran; it says how many batches it scored
+    when that is fewer than a full validation) and after the first and last validations; the worst
+    (largest) ``c2/*_max_abs_diff`` and ``parity/*_max_abs_diff`` the gates logged; the paths of
+    ``metrics.csv``, the checkpoints (named for what they are: ``last``, ``newest``, and ``best`` only
+    when a metric is monitored), the validation image grids and the reward curve. Metrics are read from
+    the ``CSVLogger``'s ``metrics.csv`` (the gates log there directly); without one, only the rewards
+    the module logged are shown. ``reward_curve.png`` (training and validation reward against the step,
+    from the validation before RL) goes into the logger's version folder, and to TensorBoard when a
+    ``TensorBoardLogger`` is attached.
 
     Args:
         window: Steps averaged at the start and at the end of the run.
@@ -128,6 +180,8 @@ class RunSummary(pl.Callback):
         self.curve_path: Path | None = None
         self.log_dir = Path(".")  # the logger's version folder, set in setup()
         self._seen: Series = {}
+        # The sanity check's validation reward: (step, value, batches scored, batches of a full validation).
+        self._before: tuple[int, float, int, int] | None = None
         self._start: tuple[float, int] | None = None
         self._end: tuple[float, int] | None = None
 
@@ -135,6 +189,9 @@ class RunSummary(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Here, on every rank: trainer.log_dir is a collective (a broadcast), never to be read on rank 0 alone.
         self.log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._before = None  # the sanity check runs after this hook and before on_train_start
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start, self._seen = (time.perf_counter(), trainer.global_step), {}
@@ -152,9 +209,17 @@ class RunSummary(pl.Callback):
         self._remember(trainer, TRAIN_KEY, trainer.global_step - 1)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking and trainer.state.fn == "fit":
-            # The weights after `global_step` updates (metrics.csv files it one step earlier).
-            self._remember(trainer, VAL_KEY, trainer.global_step)
+        if trainer.state.fn != "fit":
+            return
+        if trainer.sanity_checking:
+            # The weights before this run's first update: the "before RL" of the validation reward.
+            value = trainer.callback_metrics.get(VAL_KEY)
+            if value is not None:
+                scored, full = sum(trainer.num_sanity_val_batches), sum(trainer.num_val_batches)
+                self._before = (trainer.global_step, float(value), int(scored), int(full))
+            return
+        # The weights after `global_step` updates (metrics.csv files it one step earlier).
+        self._remember(trainer, VAL_KEY, trainer.global_step)
 
     # ------------------------------------------------------------------ reporting
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -168,8 +233,9 @@ class RunSummary(pl.Callback):
         series[VAL_KEY] = self._seen.get(VAL_KEY, [])
         train, val = series.get(TRAIN_KEY, []), series[VAL_KEY]
         log_dir = self.log_dir
-        if self.curve and (train or val):
-            image = reward_curve(train, val)
+        before = self._before[:2] if self._before is not None else None
+        if self.curve and (train or val or before):
+            image = reward_curve(train, val, before=before)
             log_dir.mkdir(parents=True, exist_ok=True)
             self.curve_path = log_dir / "reward_curve.png"
             image.save(self.curve_path)
@@ -202,10 +268,9 @@ class RunSummary(pl.Callback):
             table.add_row(
                 TRAIN_KEY, f"{_mean(train[:n]):.3f} (first {n} steps) -> {_mean(train[-n:]):.3f} (last {n} steps)"
             )
-        val = series.get(VAL_KEY, [])
-        if val:
-            first = f"{val[0][1]:.3f} (after step {val[0][0]}) -> " if len(val) > 1 else ""
-            table.add_row(VAL_KEY, f"{first}{val[-1][1]:.3f} (after step {val[-1][0]})")
+        val_text = validation_text(self._before, series.get(VAL_KEY, []))
+        if val_text:
+            table.add_row(VAL_KEY, val_text)
         gates = sorted(k for k in series if k.startswith(GATE_PREFIXES) and k.endswith("max_abs_diff"))
         for key in gates:
             worst = max(series[key], key=lambda sv: sv[1])
@@ -216,12 +281,8 @@ class RunSummary(pl.Callback):
         else:
             table.add_row("metrics.csv", str(path))
         for cb in trainer.checkpoint_callbacks:
-            saved = {"best": cb.best_model_path, "last": cb.last_model_path}
-            for label, value in saved.items():
-                if value and (label == "best" or value != saved["best"]):
-                    table.add_row(f"checkpoint ({label})", value)
-            if not (cb.last_model_path or cb.best_model_path):
-                table.add_row("checkpoints", f"none saved (folder {cb.dirpath})")
+            for what, value in checkpoint_rows(cb):
+                table.add_row(what, value)
         images = [cb for cb in trainer.callbacks if isinstance(cb, ValidationImages) and cb.written]
         if images:
             table.add_row("validation images", str(images[0].written[-1].parent))
