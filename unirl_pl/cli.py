@@ -1,7 +1,8 @@
 """``python -m unirl_pl {fit,validate,predict}``: one LightningCLI for every recipe.
 
 ``python -m unirl_pl ablate ...`` is dispatched to :mod:`unirl_pl.ablate` (modes x seeds, one
-subprocess per run) before LightningCLI parses anything.
+subprocess per run) and ``python -m unirl_pl plan ...`` to :mod:`unirl_pl.plan` (the memory plan of a
+recipe) before LightningCLI parses anything.
 
 A recipe names its LightningModule and DataModule by ``class_path`` (the RL trainer
 :class:`unirl_pl.module.UniRLModule` with :class:`unirl_pl.data.PromptDataModule`, or a pretraining
@@ -210,6 +211,11 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
         from unirl_pl.ablate import main as ablate
 
         raise SystemExit(ablate(list(given[1:])))
+    if given and given[0] == "plan":
+        # Not a LightningCLI subcommand: traces one step of the recipe's real-size experts on fake tensors.
+        from unirl_pl.plan import main as plan
+
+        raise SystemExit(plan(list(given[1:])))
     default_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.

@@ -1,0 +1,302 @@
+"""``python -m unirl_pl plan``: the memory plan is torch's tracker on fake tensors, checked against real ones.
+
+The plan's trace of a step on fake tensors must equal the same code on real CPU tensors (tiny pipeline,
+tracker peaks per phase within 10%); the DiT update's own peak must not grow with the number of samples
+when it runs in micro-batches (the project's update path: a record from ``DiffusionDenoise.sample``
+trained by ``grpo.dit_loss``); the shipped configs must build the published models' sizes; and the CLI
+prints its table, writes JSON and refuses a bad recipe in one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, FluxTransformer2DModel, SD3Transformer2DModel, WanTransformer3DModel
+from transformers import (
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    Qwen2ForCausalLM,
+    T5EncoderModel,
+    UMT5EncoderModel,
+)
+
+from tests.chat_lm import make_qwen2_chat_lm
+from tests.pipelines import make_sd3_pipeline
+from unirl_pl.cli import main
+from unirl_pl.generators import SD3Generator
+from unirl_pl.loops import DiffusionDenoise, RolloutConfig
+from unirl_pl.method import ExpertLoss
+from unirl_pl.method.grpo import dit_loss
+from unirl_pl.plan.models import SHIPPED, meta_model
+from unirl_pl.plan.planner import candidates_up_to, largest_fitting, plan_step
+from unirl_pl.plan.recipe import RecipeError, apply_override, merge, read_recipes, step_recipe
+from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker, usage_from_snapshot
+
+ROOT = Path(__file__).resolve().parents[1]
+# The family recipe scaled to the tiny folders, as its CPU header says (float32: the tiny models' dtype).
+TINY = {
+    "model.generator.init_args.height": "32",
+    "model.generator.init_args.width": "32",
+    "model.generator.init_args.max_sequence_length": "16",
+    "model.generator.init_args.dtype": "float32",
+    "model.llm.init_args.dtype": "float32",
+    "data.prompts_per_step": "2",
+    "data.samples_per_prompt": "2",
+    "model.rollout.num_steps": "4",
+    "model.rollout.sde_window": "[0,2]",
+    "model.rollout.max_new_tokens": "12",
+    "model.rollout.micro_batch_size": "2",
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> tuple[Path, str]:
+    root = tmp_path_factory.mktemp("plan")
+    return make_sd3_pipeline(root / "sd3"), make_qwen2_chat_lm(root / "qwen")
+
+
+def _tiny_recipe(**extra: str):
+    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml")])
+    for key, value in {**TINY, **extra}.items():
+        apply_override(config, key, value)
+    return step_recipe(config)
+
+
+# ------------------------------------------------------------------ fake vs real
+
+
+def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
+    """Every phase's tracked peak on fake tensors is within 10% of the same code on the real tiny models
+    (weights loaded by their own ``build()``), also without the experience both sides build alike."""
+    pipeline, lm = folders
+    recipe = _tiny_recipe()
+    plans = {
+        real: plan_step(
+            recipe,
+            budget=1 << 40,
+            title="tiny",
+            pipeline_path=str(pipeline),
+            llm_path=lm,
+            prompt_tokens=24,
+            log=lambda _: None,
+            real=real,
+        )
+        for real in (False, True)
+    }
+    fake, real = (plans[k].recipe_candidate.phases for k in (False, True))
+    assert (
+        set(fake) == set(real) == {"lm_decode", "text_encode", "dit_rollout", "vae_decode", "dit_update", "lm_update"}
+    )
+    for phase in fake:
+        f, r = fake[phase], real[phase]
+        assert abs(f.total - r.total) <= 0.10 * r.total, (phase, f, r)
+        own_f, own_r = f.total - f.experience, r.total - r.experience
+        assert abs(own_f - own_r) <= 0.10 * own_r, (phase, own_f, own_r)
+        assert f.weights == r.weights and f.experience == r.experience, phase
+    # The update's activations are real work, not a constant: at least the weights' order of magnitude.
+    assert real["dit_update"].activations > real["dit_rollout"].activations > 0
+    assert plans[False].held_lm_graph > 0 and abs(plans[False].held_lm_graph - plans[True].held_lm_graph) <= (
+        0.10 * plans[True].held_lm_graph
+    )
+
+
+# ------------------------------------------------------------------ the update's memory is flat in K
+
+
+def _update_peak(generator: SD3Generator, samples: int, micro_batch: int | None) -> int:
+    """Bytes the DiT update adds at its peak over what is resident before it, for one prompt's ``samples``."""
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), micro_batch_size=micro_batch))
+    cond = generator.encode(["a red cat on the left"] * samples)
+    _, record = loop.sample(cond, [0] * samples, list(range(samples)), "rollout", seed=0)
+    for param in generator.parameters():
+        param.grad = None
+    trainable = sum(p.numel() * p.element_size() for p in generator.parameters() if p.requires_grad)
+    tracker = PlanMemTracker(trainable)
+    # The record is resident before the update (tracked from the start, so slicing it adds nothing).
+    tracker.track_external(generator, record.prev, record.sample, record.old_logp, *record.cond.values())
+    with tracker:
+        before = tracker.current().total
+        settings = ExpertLoss(clip_eps=1e-4, beta=0.004)
+        dit_loss(
+            loop, record, torch.zeros(samples), settings, generator.adapter_disabled, backward=torch.Tensor.backward
+        )
+    return tracker.peak().total - before
+
+
+def test_dit_update_peak_is_flat_in_samples_per_prompt(folders):
+    """With micro_batch_size set, 8 samples per prompt peak within 15% of 2 (the update runs one micro-batch
+    and one step at a time); all rows at once, the peak grows with the samples, so the check can fail."""
+    pipeline, _ = folders
+    generator = SD3Generator(str(pipeline), height=32, width=32, max_sequence_length=16, dtype="float32")
+    generator.build()
+    two, eight = _update_peak(generator, 2, 2), _update_peak(generator, 8, 2)
+    assert eight <= 1.15 * two, (two, eight)
+    whole_two, whole_eight = _update_peak(generator, 2, None), _update_peak(generator, 8, None)
+    assert whole_eight > 2.5 * whole_two, (whole_two, whole_eight)
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def test_tracker_files_lora_state_apart_from_frozen_weights():
+    """Frozen parameters (no gradient hook possible) are weights; trainable ones, their gradients and the
+    optimizer's state are the trainable part; a root module may run twice in one trace."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    trainable = sum(p.numel() * 4 for p in model[1].parameters())
+    optimizer = torch.optim.AdamW(model[1].parameters())
+    tracker = PlanMemTracker(trainable)
+    tracker.track_external(model, optimizer)
+    with tracker:
+        model(torch.ones(4, 8)).sum().backward()
+        model(torch.ones(4, 8)).sum().backward()  # a second root call: guidance, the KL's reference
+        optimizer.step()
+    after = tracker.current()
+    assert after.weights == sum(p.numel() * 4 for p in model[0].parameters())
+    assert after.trainable == 4 * trainable + 2 * 4  # weights, gradients, two AdamW moments; a step per tensor
+    assert tracker.peak().activations > 0
+
+
+def test_usage_from_snapshot_moves_lora_bytes_out_of_weights():
+    from torch.distributed._tools.mem_tracker import _MemRefType as Ref
+
+    snapshot = {"cpu": {Ref.PARAM: 100, Ref.BUFFER: 10, Ref.GRAD: 5, Ref.OPT: 10, Ref.ACT: 7, Ref.TEMP: 3, Ref.OTH: 1}}
+    usage = usage_from_snapshot(snapshot, trainable_param_bytes=5)
+    assert (usage.weights, usage.trainable, usage.activations, usage.temporaries, usage.experience) == (
+        105,
+        20,
+        7,
+        3,
+        1,
+    )
+    assert usage.total == 136
+
+
+def test_all_rows_real_answers_value_questions_with_every_row_real():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), AllRowsReal():
+        mask = torch.zeros(3, 5, dtype=torch.bool)
+        values = torch.empty(3, 5)
+        assert bool(mask.any())
+        assert values[mask].shape == (15,)
+        assert mask.nonzero().shape == (15, 2)
+
+
+def test_largest_fitting_finds_the_boundary_by_traces():
+    values = candidates_up_to(64, [3])
+    assert values == [1, 2, 3, 4, 8, 16, 32, 64]
+    traced: list[int] = []
+
+    def peak(m: int) -> int:
+        traced.append(m)
+        return 10 + 3 * m if m < 16 else 10 + 5 * m  # not a straight line past 8
+
+    assert largest_fitting(values, peak, budget=60) == 8  # the line says 16; 16 -> 90 does not fit, 8 -> 34 does
+    assert largest_fitting(values, peak, budget=12) is None
+    assert largest_fitting(values, peak, budget=10_000) == 64
+    assert largest_fitting([4], peak, budget=100) == 4
+
+
+def test_recipe_reading_merges_overlays_and_rejects_unknown_keys(tmp_path):
+    assert merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
+    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml"), str(ROOT / "recipes" / "fsdp.yaml")])
+    recipe = step_recipe(config, devices=8)
+    assert recipe.fsdp and recipe.devices == 8 and recipe.generator_class is SD3Generator
+    apply_override(config, "model.rollout.micro_batch_size", "4")  # init_args skipped, as on fit's command line
+    assert step_recipe(config).rollout.micro_batch_size == 4
+    apply_override(config, "model.rollout.micro_batch", "4")
+    with pytest.raises(RecipeError, match="model.rollout"):
+        step_recipe(config)
+
+
+# ------------------------------------------------------------------ shipped configs
+
+
+@pytest.mark.parametrize(
+    "folder, cls, billions",
+    [
+        # Published sizes: the model cards (Qwen2.5: 1.54B, 7.61B), FINDINGS.md (SD3.5-M's transformer built
+        # by diffusers, 2.24B), BFL/diffusers (FLUX.1 transformer 11.90B), T5-XXL's encoder 4.76B and UMT5-XXL's
+        # 5.68B, OpenCLIP bigG text 0.695B and CLIP-L text 0.124B (with projection), Wan2.1's 1.42B and 14.29B.
+        ("stable-diffusion-3.5-medium/transformer", SD3Transformer2DModel, 2.24),
+        ("stable-diffusion-3.5-medium/text_encoder", CLIPTextModelWithProjection, 0.124),
+        ("stable-diffusion-3.5-medium/text_encoder_2", CLIPTextModelWithProjection, 0.695),
+        ("stable-diffusion-3.5-medium/text_encoder_3", T5EncoderModel, 4.76),
+        ("FLUX.1-dev/transformer", FluxTransformer2DModel, 11.90),
+        ("FLUX.1-dev/text_encoder", CLIPTextModel, 0.123),
+        ("Wan2.1-T2V-1.3B-Diffusers/transformer", WanTransformer3DModel, 1.42),
+        ("Wan2.1-T2V-14B-Diffusers/transformer", WanTransformer3DModel, 14.29),
+        ("Wan2.2-T2V-A14B-Diffusers/transformer_2", WanTransformer3DModel, 14.29),
+        ("Wan2.1-T2V-1.3B-Diffusers/text_encoder", UMT5EncoderModel, 5.68),
+        ("Wan2.1-T2V-1.3B-Diffusers/vae", AutoencoderKLWan, 0.127),
+        ("Qwen2.5-1.5B-Instruct", Qwen2ForCausalLM, 1.54),
+        ("Qwen2.5-7B-Instruct", Qwen2ForCausalLM, 7.61),
+    ],
+)
+def test_shipped_configs_build_the_published_sizes(folder, cls, billions):
+    model = meta_model(cls, SHIPPED / folder, torch.bfloat16)
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    assert abs(count / 1e9 - billions) <= 0.01 * billions, count
+
+
+# ------------------------------------------------------------------ the command
+
+
+def test_plan_command_prints_the_table_and_writes_json(folders, tmp_path, capsys):
+    pipeline, lm = folders
+    out = tmp_path / "plan.json"
+    overrides = [f"--{k}={v}" for k, v in TINY.items() if k != "data.samples_per_prompt"]
+    args = ["plan", "--config", str(ROOT / "recipes" / "sd35.yaml"), "--pipeline-path", str(pipeline)]
+    args += ["--llm-path", lm, "--gpu-memory-gb", "4.1", "--prompt-tokens", "24", "--json", str(out), "--quiet"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, *overrides, "--data.samples_per_prompt=2"])
+    assert exit_.value.code == 0
+    printed = capsys.readouterr().out
+    for phase in ("lm_decode", "text_encode", "dit_rollout", "vae_decode", "dit_update", "lm_update"):
+        assert phase in printed
+    assert "recipe setting (micro_batch_size 2, gradient checkpointing off): fits" in printed
+    plan = json.loads(out.read_text())
+    assert plan["recipe"]["fits"] and plan["recipe"]["micro_batch_size"] == 2
+    assert plan["largest_micro_batch_size"]["without_checkpointing"] == 4  # every image in one micro-batch
+    assert plan["needs_gradient_checkpointing"] is False
+    # The budget is 0.1 GiB (4.1 - the 4 GiB reserve): the tiny step's peak sits under it.
+    assert 0 < plan["recipe"]["phases"]["dit_update"]["total"] <= plan["budget_bytes"]
+
+
+def test_plan_command_refuses_a_missing_recipe_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", "no/such/recipe.yaml"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "error: --config no/such/recipe.yaml: no such file"
+
+
+@pytest.mark.integration
+def test_fsdp_plan_shards_the_trained_experts(folders):
+    """Over 2 fake ranks the trained experts' weights are halved on each rank; frozen parts stay whole."""
+    pipeline, lm = folders
+    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml"), str(ROOT / "recipes" / "fsdp.yaml")])
+    for key, value in TINY.items():
+        apply_override(config, key, value)
+    weights = {}
+    for devices in (1, 2):
+        apply_override(config, "data.prompts_per_step", str(2 * devices))  # the same per-rank step
+        plan = plan_step(
+            step_recipe(config, devices=devices),
+            budget=1 << 40,
+            title="fsdp",
+            pipeline_path=str(pipeline),
+            llm_path=lm,
+            prompt_tokens=24,
+            log=lambda _: None,
+        )
+        assert plan.fsdp == (devices > 1)
+        weights[devices] = plan.recipe_candidate.phases["text_encode"].weights
+    generator = SD3Generator(str(pipeline), height=32, width=32, max_sequence_length=16, dtype="float32")
+    generator.build()
+    dit = sum(p.numel() * 4 for p in generator.model.parameters() if not p.requires_grad)
+    assert weights[1] - weights[2] >= 0.4 * dit

@@ -1,0 +1,269 @@
+"""The recipe's experts at real size without their weights: modules built from ``config.json`` files on
+the meta device, LoRA attached with the project's own settings, then every parameter and buffer replaced
+by a fake tensor (``FakeTensorMode``), so forward and backward passes run as shapes only.
+
+Configs come from a local folder (a diffusers pipeline folder with ``model_index.json``, or a causal LM
+folder with ``config.json``) or from the configs shipped under ``unirl_pl/assets/configs`` (the public
+checkpoints' ``config.json`` files, no weights; ``README.md`` there names their sources).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from diffusers import ModelMixin
+from peft import get_peft_model
+from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from unirl_pl.experts import CausalLMExpert
+from unirl_pl.experts.base import attach_diffusers_lora
+from unirl_pl.generators import FlowGenerator
+from unirl_pl.generators.base import has_component, read_model_index
+from unirl_pl.manifest import ASSETS, verify_assets
+
+SHIPPED = ASSETS / "configs"
+"""Config-only copies of public checkpoints (one folder per checkpoint, named as on the hub)."""
+
+DEFAULT_PIPELINES: dict[str, str] = {
+    "SD3Generator": "stable-diffusion-3.5-medium",
+    "FluxGenerator": "FLUX.1-dev",
+    "WanGenerator": "Wan2.1-T2V-1.3B-Diffusers",
+}
+"""The shipped pipeline a family's recipe is planned with when no folder is given."""
+
+
+def shipped_configs() -> list[str]:
+    """Names of the shipped config folders."""
+    return sorted(p.name for p in SHIPPED.iterdir() if p.is_dir())
+
+
+def resolve_folder(path: str | None, default: str | None, what: str) -> Path:
+    """The config folder for ``path``: a local folder as is, else a shipped config named by ``path`` or by
+    its last component (``Qwen/Qwen2.5-1.5B-Instruct`` is the shipped ``Qwen2.5-1.5B-Instruct``), else
+    the shipped ``default``. Raises ``FileNotFoundError`` listing the shipped configs otherwise."""
+    for candidate in [path, default]:
+        if not candidate:
+            continue
+        local = Path(candidate).expanduser()
+        if local.is_dir():
+            return local
+        for name in (candidate, Path(candidate).name):
+            if (SHIPPED / name).is_dir():
+                verify_assets(SHIPPED / name)
+                return SHIPPED / name
+    raise FileNotFoundError(
+        f"no {what} config for {path!r}: pass a local folder (its config.json files are enough) or one of the "
+        f"shipped configs: {', '.join(shipped_configs())}"
+    )
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Build modules in ``dtype`` (as ``from_pretrained(torch_dtype=...)`` does), restoring the default after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _keep_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Upcast the parameters ``from_pretrained`` would keep in float32 at ``dtype``: diffusers' models keep
+    ``_keep_in_fp32_modules`` at any lower precision, transformers' keep ``_keep_in_fp32_modules_strict``
+    at bf16/fp16 and ``_keep_in_fp32_modules`` at fp16 only."""
+    if dtype == torch.float32:
+        return
+    if isinstance(model, ModelMixin):
+        names = set(model._keep_in_fp32_modules or [])
+    else:
+        names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
+        if dtype == torch.float16:
+            names |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if not names:
+        return
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and names & set(name.split(".")):
+            param.data = param.data.float()
+
+
+def meta_model(cls: type, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
+    """An instance of ``cls`` (a diffusers ``ModelMixin`` or a transformers ``PreTrainedModel``) built from
+    ``folder/config.json`` on the meta device in ``dtype``; frozen and in eval mode."""
+    with torch.device("meta"), default_dtype(dtype):
+        if issubclass(cls, ModelMixin):
+            model = cls.from_config(cls.load_config(str(folder)))
+        elif issubclass(cls, PreTrainedModel):
+            model = cls(cls.config_class.from_pretrained(str(folder)))
+        else:
+            raise TypeError(f"{cls.__name__} in {folder} is neither a diffusers nor a transformers model")
+    _keep_fp32(model, dtype)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def to_fake(modules: list[torch.nn.Module], mode: FakeTensorMode) -> None:
+    """Replace every parameter and buffer of ``modules`` by a fake CPU tensor of the same shape, dtype and
+    ``requires_grad``, in place. A tensor shared by several modules (tied embeddings) stays shared."""
+    seen: dict[int, torch.Tensor] = {}
+    with mode:
+        for module in modules:
+            for sub in module.modules():
+                for table, is_param in ((sub._parameters, True), (sub._buffers, False)):
+                    for name, tensor in list(table.items()):
+                        if tensor is None:
+                            continue
+                        if id(tensor) not in seen:
+                            fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                            seen[id(tensor)] = torch.nn.Parameter(fake, tensor.requires_grad) if is_param else fake
+                        table[name] = seen[id(tensor)]
+
+
+class LengthTokenizer:
+    """Stands in for a pipeline's tokenizer: every text becomes ``max_length`` token ids, which is all the
+    memory of a text encoder depends on (the pipelines pad to a fixed length). Call it inside the fake mode."""
+
+    model_max_length = 1 << 30  # the encoder's own limit (CLIP: 77 positions) applies
+
+    def __call__(self, texts: list[str], max_length: int | None = None, **_: Any) -> SimpleNamespace:
+        ids = torch.ones(len(texts), int(max_length or 1), dtype=torch.long)
+        return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+
+
+def _component_class(entry: list[Any]) -> type:
+    library, name = entry
+    return getattr(importlib.import_module(library), name)
+
+
+@dataclass
+class FakeExperts:
+    """The built experts of one recipe: fake for a plan (or real, loaded by their own ``build()``, to
+    check a plan against real tensors).
+
+    Args:
+        generator: The recipe's generator with its modules (``model``, ``vae``, text encoders).
+        llm: The refiner with its LoRA-wrapped LM, or None.
+        mode: The fake mode every phase runs in (None for real experts).
+        pipeline_folder: Where the generator's configs came from.
+        llm_folder: Where the LM's config came from.
+        resident: Further models kept in memory but not traced (Wan2.2's second expert when the
+            generator does not hold it).
+    """
+
+    generator: FlowGenerator
+    llm: CausalLMExpert | None
+    mode: FakeTensorMode | None
+    pipeline_folder: Path
+    llm_folder: Path | None
+    resident: list[torch.nn.Module] = field(default_factory=list)
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every model on the device: the generator (and what it holds), the LM, the extra residents."""
+        return [self.generator, *([self.llm] if self.llm is not None else []), *self.resident]
+
+    def transformers(self) -> list[torch.nn.Module]:
+        """The generator's LoRA-adapted transformers (Wan2.2 A14B: both experts)."""
+        models = list(getattr(self.generator, "transformers", None) or [self.generator.model])
+        return models + [m for m in self.resident if m not in models]
+
+
+def build_generator(
+    cls: type[FlowGenerator], init_args: dict[str, Any], folder: Path, mode: FakeTensorMode
+) -> tuple[FlowGenerator, list[torch.nn.Module]]:
+    """The family generator ``cls(**init_args)`` over ``folder`` with every component built fake.
+
+    Components come from ``model_index.json`` as diffusers names them (``transformer``, ``vae``,
+    ``text_encoder*``; the tokenizers become :class:`LengthTokenizer`), set on the generator under those
+    names; the transformer gets the generator's own LoRA config (``lora_config()``) and gradient
+    checkpointing and the VAE its slicing/tiling, as ``build()`` does. A second transformer
+    (``transformer_2``, Wan2.2 A14B) gets the same LoRA and is returned as an extra resident model.
+    Returns (generator, extras).
+    """
+    generator = cls(**{**init_args, "pipeline_path": str(folder)})
+    index = read_model_index(folder)
+    generator.latent_shape  # noqa: B018 - checks height/width/frames against the folder's configs
+    names = [name for name in inspect.signature(cls.pipeline_class.__init__).parameters if name != "self"]
+    built: dict[str, torch.nn.Module] = {}
+    for name in names:
+        if name.startswith("tokenizer"):
+            setattr(generator, name, LengthTokenizer() if has_component(index, name) else None)
+        elif name.startswith("text_encoder"):
+            module = None
+            if has_component(index, name):
+                module = built[name] = meta_model(_component_class(index[name]), folder / name, generator.dtype)
+            setattr(generator, name, module)
+    vae = built["vae"] = meta_model(_component_class(index["vae"]), folder / "vae", generator.vae_dtype)
+    if getattr(generator, "vae_slicing", False):
+        vae.enable_slicing()
+    if getattr(generator, "vae_tiling", False):
+        vae.enable_tiling()
+    generator.vae = vae
+    experts = [n for n in ("transformer", "transformer_2") if has_component(index, n)]
+    models = []
+    for name in experts:
+        model = meta_model(_component_class(index[name]), folder / name, generator.dtype)
+        with torch.device("meta"):
+            model = attach_diffusers_lora(model, generator.lora_config())
+        if generator.gradient_checkpointing:
+            model.enable_gradient_checkpointing()
+        models.append(model)
+    # The traced expert is the largest; Wan2.2's two experts have one shape. The other stays resident with
+    # its LoRA (its weights, gradients and optimizer state count) but outside the generator, so every
+    # traced forward runs one known expert instead of routing rows by sigma, which needs sigma's values.
+    models.sort(key=lambda m: -sum(p.numel() for p in m.parameters()))
+    generator.model, extras = models[0], models[1:]
+    to_fake([generator, *extras], mode)
+    return generator, extras
+
+
+def build_llm(init_args: dict[str, Any], folder: Path, mode: FakeTensorMode) -> CausalLMExpert:
+    """The refiner ``CausalLMExpert(**init_args)`` with a fake LM from ``folder/config.json`` wrapped in
+    its own LoRA (``lora_config()``), in the expert's dtype (the LoRA in float32, as peft keeps it)."""
+    expert = CausalLMExpert(**{**init_args, "pretrained_path": str(folder)})
+    config = AutoConfig.from_pretrained(str(folder))
+    with torch.device("meta"), default_dtype(expert.dtype):
+        base = AutoModelForCausalLM.from_config(config)
+    _keep_fp32(base, expert.dtype)
+    base.requires_grad_(False)
+    with torch.device("meta"):
+        expert.model = get_peft_model(base, expert.lora_config())
+    to_fake([expert], mode)
+    return expert
+
+
+def real_experts(
+    cls: type[FlowGenerator],
+    init_args: dict[str, Any],
+    folder: Path,
+    llm_args: dict[str, Any] | None,
+    llm_folder: Path | None,
+) -> FakeExperts:
+    """The same experts loaded with weights by their own ``build()`` (small folders only): what a plan's
+    fake experts are checked against."""
+    generator = cls(**{**init_args, "pipeline_path": str(folder)})
+    generator.build()
+    llm = None
+    if llm_args is not None and llm_folder is not None:
+        llm = CausalLMExpert(**{**llm_args, "pretrained_path": str(llm_folder)})
+        llm.build()
+    return FakeExperts(generator, llm, None, folder, llm_folder)
+
+
+def config_summary(folder: Path) -> str:
+    """One line naming a config folder (shipped configs by name, local folders by path)."""
+    return folder.name if folder.is_relative_to(SHIPPED) else str(folder)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file as a dict."""
+    return json.loads(path.read_text())

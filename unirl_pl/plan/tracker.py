@@ -1,0 +1,170 @@
+"""Peak memory of one phase of an RL step, by category, as torch's memory tracker records it.
+
+:class:`PlanMemTracker` is ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode``
+that sees every tensor an operator creates and files its storage as parameter, buffer, gradient,
+activation, temporary or optimizer state) with three changes a LoRA RL step needs:
+
+- gradient hooks go on trainable parameters only: ``MemTracker`` hooks every parameter of a module it
+  enters, and ``register_hook`` refuses a frozen (LoRA base) parameter;
+- only the global peak is kept: updating every tracked module's own peak after each operator costs
+  O(modules) per operator, which made a real-size DiT trace take minutes instead of seconds;
+- a top-level module may run more than once (guidance rows, the reference forward of the KL, one
+  forward per denoising step): ``MemTracker`` takes a second root call for a second training iteration
+  and raises, so the root's per-module record restarts instead (the global peak keeps counting).
+
+:class:`Usage` splits a peak snapshot into what the plan reports: frozen weights, the trainable state
+(LoRA parameters, their gradients and optimizer state), activations, temporaries, and the experience the
+step keeps resident (the tensors handed to :meth:`PlanMemTracker.track_external` that are not module state).
+"""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.utils._python_dispatch import TorchDispatchMode
+
+GiB = float(2**30)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Bytes by category at one peak (or one moment) of a traced phase.
+
+    Args:
+        weights: Frozen parameters and buffers (the base models).
+        trainable: LoRA parameters, their gradients and the optimizer's state.
+        activations: Tensors made in forward passes (and by recomputation under checkpointing).
+        temporaries: Tensors made during backward passes (gradients of activations).
+        experience: Resident tensors tracked from outside (records, text features, pixels).
+    """
+
+    weights: int = 0
+    trainable: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    experience: int = 0
+
+    @property
+    def total(self) -> int:
+        """Sum of every category."""
+        return self.weights + self.trainable + self.activations + self.temporaries + self.experience
+
+    def as_dict(self) -> dict[str, int]:
+        """The categories and the total, in bytes."""
+        return {**asdict(self), "total": self.total}
+
+
+def usage_from_snapshot(snapshot: dict[Any, dict[Any, int]], trainable_param_bytes: int) -> Usage:
+    """Fold a ``MemTracker`` snapshot (device -> reference type -> bytes, summed over devices) into a
+    :class:`Usage`. ``MemTracker`` files LoRA weights as parameters like the frozen ones; their bytes
+    (``trainable_param_bytes``, fixed during a phase) move from ``weights`` to ``trainable``."""
+    total: dict[Any, int] = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            total[key] = total.get(key, 0) + value
+    ref = _MemRefType
+    params = total.get(ref.PARAM, 0) + total.get(ref.BUFFER, 0)
+    lora = min(trainable_param_bytes, params)
+    return Usage(
+        weights=params - lora,
+        trainable=lora + total.get(ref.GRAD, 0) + total.get(ref.OPT, 0),
+        activations=total.get(ref.ACT, 0),
+        temporaries=total.get(ref.TEMP, 0),
+        experience=total.get(ref.OTH, 0),
+    )
+
+
+class PlanMemTracker(MemTracker):
+    """``MemTracker`` for a LoRA RL step: see the module docstring for what differs and why.
+
+    Args:
+        trainable_param_bytes: Bytes of the trainable (LoRA) parameters, reported as ``trainable``.
+    """
+
+    def __init__(self, trainable_param_bytes: int = 0) -> None:
+        super().__init__()
+        self.trainable_param_bytes = trainable_param_bytes
+        self.marks: dict[str, Usage] = {}
+
+    # ------------------------------------------------------------------ MemTracker overrides
+
+    def _track_module_params_and_buffers(
+        self, module: torch.nn.Module, install_grad_hooks: bool = True
+    ) -> tuple[int, int]:
+        memory = super()._track_module_params_and_buffers(module, install_grad_hooks=False)
+        if install_grad_hooks:
+            for param in module.parameters():
+                if param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                    self._param_to_grad_hook_handles[param] = (
+                        param.register_hook(self._file_gradient),
+                        param.register_post_accumulate_grad_hook(lambda p: self._file_gradient(p.grad)),
+                    )
+        return memory
+
+    def _file_gradient(self, grad: torch.Tensor | None) -> None:
+        # A hook must return None: a returned value would replace the gradient.
+        if grad is not None:
+            self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = deepcopy(snapshot)
+
+    def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        outer = set(self._mod_tracker.parents) - {name}
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and outer == {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+    # ------------------------------------------------------------------ what the plan reads
+
+    def current(self) -> Usage:
+        """The memory tracked right now."""
+        return usage_from_snapshot(self.get_tracker_snapshot("current"), self.trainable_param_bytes)
+
+    def peak(self) -> Usage:
+        """The peak since the tracker was entered or since the last :meth:`mark`."""
+        return usage_from_snapshot(self.get_tracker_snapshot("peak"), self.trainable_param_bytes)
+
+    def mark(self, name: str) -> Usage:
+        """Record the peak since the last mark under ``name`` and start a new peak from now."""
+        self.marks[name] = self.peak()
+        current = self.get_tracker_snapshot("current")
+        self._peak_mem = {device: snapshot[_TOTAL_KEY] for device, snapshot in current.items()}
+        self._peak_mem_snap = current
+        return self.marks[name]
+
+
+class AllRowsReal(TorchDispatchMode):
+    """Answers the questions about a fake tensor's values that shapes cannot: a fake tensor has none.
+
+    The losses compute their ratio statistics over the real (masked-in) tokens, ``ratio[mask]`` after
+    ``mask.any()``; on fake tensors both need values. Under this mode every such question gets the answer
+    of a batch whose rows are all real, the largest case: a boolean is true, a number is 1, ``nonzero``
+    finds every element and a boolean index selects every row. Other operators pass through. Enter it
+    inside ``FakeTensorMode`` (and below any memory tracker), so the tensors it makes are fake and tracked.
+    """
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
+            tensor = args[0]
+            return True if tensor.dtype == torch.bool else 1.0 if tensor.is_floating_point() else 1
+        if func is aten.nonzero.default and isinstance(args[0], FakeTensor):
+            tensor = args[0]
+            return torch.empty((tensor.numel(), tensor.dim()), dtype=torch.long, device=tensor.device)
+        if func is aten.index.Tensor and isinstance(args[0], FakeTensor):
+            source, indices = args[0], args[1]
+            if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+                kept = indices[0].dim()
+                return source.reshape(-1, *source.shape[kept:]).clone()
+        return func(*args, **kwargs)
