@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unirl_pl.threads import set_threads
+
 MODES: tuple[str, ...] = ("base", "base_no_refiner", "joint", "prompt_only", "generator_only")
 # No-RL rows: the recipe's starting weights, validated with these overrides.
 BASE_MODES: dict[str, tuple[str, ...]] = {
@@ -677,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
     }
     env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
+    set_threads(env=env)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     console = Console(stderr=True)
     console.print(

@@ -22,7 +22,8 @@ same prompts (interleaved, so both see the same machine load); the trainable wei
 it, so the project's run is the run it would have been.
 
 Everything is CPU time of this process (``time.process_time``), not wall time: the numbers hold on a
-shared machine. Run with one thread per process (``OMP_NUM_THREADS=1``) for the documented numbers.
+shared machine. One thread per process unless ``OMP_NUM_THREADS`` says otherwise (:mod:`unirl_pl.threads`),
+as the documented numbers were measured.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import tempfile
@@ -45,6 +45,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import yaml
+
+from unirl_pl.threads import set_threads
 
 PHASES: tuple[str, ...] = (
     "decode",
@@ -692,8 +694,7 @@ def run(argv: Sequence[str] | None = None) -> BenchResult:
     args, overrides = parser.parse_known_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         parser.error("need --repeats >= 1 and --warmup >= 0")
-    if os.environ.get("OMP_NUM_THREADS") == "1":
-        torch.set_num_threads(1)
+    set_threads()
     settings = ("on", "off") if args.gates == "both" else (args.gates,)
     runs = {}
     for setting in settings:

@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from unirl_pl.errors import InputError
 from unirl_pl.manifest import verify_assets
 from unirl_pl.method.advantages import GroupLayout
 
@@ -63,9 +64,11 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{path}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); "
-                    "save the prompt file as UTF-8"
+                # A pickle starts with 0x80; other binary files hold NUL bytes: say so, not "save as UTF-8".
+                binary = b"\0" in raw or (lineno == 1 and raw[:1] == b"\x80")
+                hint = "a binary file (a pickle?), not prompts" if binary else "save the prompt file as UTF-8"
+                raise InputError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[err.start]:#04x} at column {err.start + 1}); {hint}"
                 ) from None
             if lineno == 1:
                 line = line.removeprefix("\ufeff")  # a UTF-8 byte-order mark
@@ -84,7 +87,7 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
+        raise InputError(f"{path}:{lineno}: not valid JSON ({err.msg}, column {err.colno})") from None
     if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
         raise ValueError(f"{path}:{lineno}: each JSONL row needs a string field 'prompt'")
     prompt = row["prompt"].strip()

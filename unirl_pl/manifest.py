@@ -19,11 +19,13 @@ from collections.abc import Iterable
 from functools import cache
 from pathlib import Path
 
+from unirl_pl.errors import InputError
+
 ASSETS = Path(__file__).resolve().parent / "assets"
 MANIFEST_NAME = "MANIFEST.sha256"
 
 
-class AssetIntegrityError(ValueError):
+class AssetIntegrityError(InputError):
     """A shipped asset file differs from, is missing from, or is not listed in ``MANIFEST.sha256``."""
 
 

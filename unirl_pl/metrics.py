@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -26,6 +27,23 @@ def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Ten
         f"{name}/grad_norm": grad_norm,
         **{f"{name}/{key}": value for key, value in out.extras.items()},
     }
+
+
+def nonfinite_report(losses: dict[str, Tensor], grad_norms: dict[str, Tensor]) -> str:
+    """Which of a step's losses and gradient norms were not finite, for the message of a skipped step.
+
+    Names each non-finite value (``transformer/grad_norm=nan``); the skip is agreed across ranks, so
+    when every value here is finite it says so and lists them (another rank's value was the bad one).
+    Values are read detached: a loss still holds its graph when the step is skipped.
+    """
+    values = {f"{name}/loss": loss for name, loss in losses.items()}
+    values.update({f"{name}/grad_norm": norm for name, norm in grad_norms.items()})
+    numbers = {key: float(value.detach()) for key, value in values.items()}
+    bad = [f"{key}={value:.3g}" for key, value in numbers.items() if not math.isfinite(value)]
+    if bad:
+        return ", ".join(bad)
+    finite = ", ".join(f"{key}={value:.3g}" for key, value in numbers.items())
+    return f"all finite on this rank ({finite}): another rank's were not"
 
 
 def rollout_correction_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:

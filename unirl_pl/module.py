@@ -44,7 +44,7 @@ from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.method.policy import PolicyLosses
-from unirl_pl.metrics import log_step, loss_metrics, rollout_metrics
+from unirl_pl.metrics import log_step, loss_metrics, nonfinite_report, rollout_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.versioning import VersionLedger, check_staleness
@@ -298,12 +298,12 @@ class UniRLModule(pl.LightningModule):
         local_bad = not all(bool(torch.isfinite(v).all()) for v in values)
         return not agree_max(int(local_bad), self.device)
 
-    def _skip(self, opts: dict[str, Any], outputs: dict[str, LossOutput]) -> None:
+    def _skip(self, opts: dict[str, Any], outputs: dict[str, LossOutput], norms: dict[str, Tensor]) -> None:
         """Leave weights, optimizer state and versions untouched, but still count one global step."""
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        bad = ", ".join(f"{n}/loss={float(o.loss):.3g}" for n, o in outputs.items())
         if self.consecutive_skips > self.max_consecutive_skips:
+            bad = nonfinite_report({n: o.loss for n, o in outputs.items()}, norms)
             raise RuntimeError(
                 f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm ({bad}); "
                 "stopping. Check the rewards (model.nonfinite_rewards=drop drops bad samples), the learning rates "
@@ -337,7 +337,7 @@ class UniRLModule(pl.LightningModule):
             norms = {name: self._grad_norm(name) for name in outputs}
             if not self._all_finite(outputs, norms):
                 if epoch == 0:
-                    self._skip(opts, outputs)
+                    self._skip(opts, outputs, norms)
                 break
             for i, name in enumerate(outputs):
                 self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)

@@ -22,6 +22,8 @@ from typing import Any
 
 from jsonargparse import Namespace
 
+from unirl_pl.errors import InputError
+
 PACKAGE_PARENT = Path(__file__).resolve().parents[1]
 PROMPT_KEYS = frozenset({"prompts", "val_prompts", "predict_prompts"})
 OUTPUT_KEYS = frozenset({"dirpath"})
@@ -88,3 +90,25 @@ def resolve_inputs(node: Any, roots: list[Path], key: str = "") -> Any:
         elif not isinstance(value, str):  # a list of prompts is not a list of paths: strings are left alone
             resolve_inputs(value, roots, path)
     return node
+
+
+def read_json_file(file: str | os.PathLike) -> Any:
+    """The parsed content of a JSON input file; :class:`InputError` in one line naming the file and the line.
+
+    ``json.loads`` reports a syntax error as "line 3 column 5 (char 40)" of a string it does not name,
+    and a binary file fails earlier with a codec error: both are said against the file here.
+    """
+    import json
+
+    path = Path(file)
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise InputError(
+            f"{path}: not UTF-8 JSON text (byte {raw[err.start]:#04x} at offset {err.start}); is it a binary file?"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}:{err.lineno}: not valid JSON ({err.msg} at column {err.colno})") from None

@@ -30,7 +30,7 @@ from unirl_pl.algorithms.base import Backward, GateValues, GeneratorAlgorithm, R
 from unirl_pl.loops.config import RolloutConfig, StepPlan, chunk_bounds
 from unirl_pl.loops.diffusion_denoise import sigma_table
 from unirl_pl.losses import LossOutput, nft_loss, optimality_probability
-from unirl_pl.method.grpo import weighted_loss
+from unirl_pl.method.grpo import add_part, weighted_loss
 from unirl_pl.records import FlowPointsRecord, cond_rows
 from unirl_pl.seeding import sample_generators
 
@@ -244,10 +244,7 @@ class DiffusionNFT(GeneratorAlgorithm):
                 ref_velocity=ref,
                 kl_beta=settings.beta,
             )
-            weight = (b - a) / (n * record.num_points)
-            if backward is not None:
-                backward(weight * out.loss)
-            parts.append((weight, out))
+            add_part(parts, (b - a) / (n * record.num_points), out, backward)
         merged = weighted_loss(parts, backpropagated=backward is not None)
         extras = {k: sum(w * o.extras[k] for w, o in parts) for k in parts[0][1].extras}
         return replace(merged, extras=extras)

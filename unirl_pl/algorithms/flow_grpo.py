@@ -20,9 +20,8 @@ from unirl_pl.algorithms.base import Backward, GeneratorAlgorithm, Reference
 from unirl_pl.loops.config import RolloutConfig, StepPlan
 from unirl_pl.losses import LossOutput, grpo_guard_loss
 from unirl_pl.method import grpo
-from unirl_pl.method.grpo import anchor_and_weights, weighted_loss
+from unirl_pl.method.grpo import add_part, anchor_and_weights, weighted_loss
 from unirl_pl.records import DiTRecord
-from unirl_pl.sampling import flow_kl
 
 
 class FlowGRPO(GeneratorAlgorithm):
@@ -101,11 +100,7 @@ class FlowGRPO(GeneratorAlgorithm):
             recomputed[a:b, step] = logp.detach()
             if first:
                 old_means[a:b, step] = mean.detach()
-            kl = None
-            if settings.beta > 0:
-                with torch.no_grad(), reference():
-                    _, ref_mean, _ = loop.step_logprob(record, step, (a, b))
-                kl = flow_kl(mean, ref_mean, std)
+            kl = grpo.step_kl(loop, record, step, (a, b), mean, std, settings.beta, reference)
             s, s_next, _ = record.step_sigmas(step, (a, b))
             dt = torch.as_tensor(s_next, dtype=torch.float32) - torch.as_tensor(s, dtype=torch.float32)
             dt = dt.expand(b - a).to(logp.device)
@@ -125,10 +120,7 @@ class FlowGRPO(GeneratorAlgorithm):
                 beta=settings.beta,
                 is_weights=weights,
             )
-            weight = (b - a) / total
-            if backward is not None:
-                backward(weight * out.loss)
-            parts.append((weight, out))
+            add_part(parts, (b - a) / total, out, backward)
         if first:
             self._old_means = (weakref.ref(record), old_means)
         return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)

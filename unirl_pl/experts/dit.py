@@ -13,12 +13,11 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
 from unirl_pl.experts._common import check_positive, seeded_cpu_init
-from unirl_pl.experts.base import LoRAExpert
+from unirl_pl.experts.base import LORA_WEIGHTS_FILE, LoRAExpert
 
 DEFAULT_DIT_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 # Prefix the SD3 pipeline's ``save_lora_weights`` puts on transformer keys; loaders filter on it.
 _PIPELINE_PREFIX = "transformer"
-_LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 class FlowTransformerExpert(LoRAExpert):
@@ -190,7 +189,7 @@ class FlowTransformerExpert(LoRAExpert):
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights written by ``save_adapter`` into this expert's adapter, in place."""
         model = self._require_built()
-        file = Path(path) / _LORA_FILE if Path(path).is_dir() else Path(path)
+        file = Path(path) / LORA_WEIGHTS_FILE if Path(path).is_dir() else Path(path)
         prefix = f"{_PIPELINE_PREFIX}."
         weights = {
             key.removeprefix(prefix): value

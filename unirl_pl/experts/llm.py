@@ -105,13 +105,15 @@ class CausalLMExpert(LoRAExpert):
         """
         if self.is_built:
             return
+        if self.pretrained_path is not None:
+            # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
+            verify_assets(self.pretrained_path)
         tokenizer = self._build_tokenizer()
         with seeded_cpu_init(self.init_seed):
             if self.pretrained_path is None:
                 base = Qwen2ForCausalLM(self._tiny_config(tokenizer)).to(self.dtype)
             else:
                 # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
-                verify_assets(self.pretrained_path)
                 base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
             model = self._attach_lora(base)
         params = inspect.signature(base.forward).parameters

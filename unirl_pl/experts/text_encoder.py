@@ -104,9 +104,11 @@ class TextEncoderExpert(FrozenExpert):
             with seeded_cpu_init(self.init_seed):
                 model = CLIPTextModelWithProjection(self.tiny_config(tokenizer)).to(self.dtype)
         else:
+            # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
+            folders = {self.subfolder or "", self.tokenizer_subfolder or self.subfolder or ""}
+            verify_assets([Path(self.pretrained_path) / sub for sub in sorted(folders)])
             tokenizer = load_tokenizer(self.pretrained_path, self.tokenizer_subfolder or self.subfolder)
             kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
-            verify_assets(Path(self.pretrained_path) / (self.subfolder or ""))
             model = CLIPTextModelWithProjection.from_pretrained(self.pretrained_path, dtype=self.dtype, **kwargs)
         limit = model.config.max_position_embeddings
         if self.max_length > limit:

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,12 +17,19 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from unirl_pl.errors import InputError
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
-from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
+from unirl_pl.experts.base import (
+    LORA_INITS,
+    LORA_WEIGHTS_FILE,
+    adapter_bypassed,
+    attach_diffusers_lora,
+    check_lora_args,
+)
 from unirl_pl.generators.schedule import Schedule, read_scheduler_config, scheduler_from_config, scheduler_sigmas
+from unirl_pl.paths import read_json_file
 from unirl_pl.records import Cond
 
-LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
 # The q/k/v/out projections of both streams of an MMDiT joint attention (SD3, FLUX). Flow-GRPO's SD3.5
 # targets; the ``attn.`` prefix leaves the extra ``attn2`` of SD3.5's dual-attention blocks alone, and
 # FLUX's single blocks match on their q/k/v.
@@ -54,7 +60,10 @@ def read_model_index(pipeline_path: str | Path) -> dict[str, Any]:
             f"{str(folder)!r} has no model_index.json, so it is not a diffusers pipeline folder "
             "(point pipeline_path at the folder that holds model_index.json, transformer/, vae/, ...)"
         )
-    return json.loads(index.read_text())
+    index_data = read_json_file(index)
+    if not isinstance(index_data, dict):
+        raise InputError(f"{index}: holds a JSON {type(index_data).__name__}, not the object a model_index.json is")
+    return index_data
 
 
 def has_component(index: dict[str, Any], name: str) -> bool:
@@ -252,7 +261,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         file = Path(self._folder()) / subfolder / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{str(file)!r} is missing: the pipeline folder has no {subfolder!r} component")
-        return json.loads(file.read_text())
+        return read_json_file(file)
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

@@ -12,7 +12,6 @@ these sigmas (Euler / SDE), whatever solver the pipeline itself would use betwee
 from __future__ import annotations
 
 import inspect
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,8 @@ import diffusers
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
+
+from unirl_pl.paths import read_json_file
 
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
 # A first sigma this close to 1 is 1: the start is pure noise (see ``scheduler_sigmas``).
@@ -49,10 +50,7 @@ def read_scheduler_config(folder: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(
             f"{str(file)!r} is missing: the pipeline folder has no scheduler to take the schedule from"
         )
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ValueError(f"{str(file)!r} is not a JSON scheduler config: {err}") from None
+    return read_json_file(file)
 
 
 def scheduler_from_config(config: dict[str, Any]) -> Any:

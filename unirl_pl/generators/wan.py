@@ -5,7 +5,6 @@ each with its own LoRA, as the one trainable component ``transformer``."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -20,8 +19,9 @@ from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
 from unirl_pl.experts._common import seeded_cpu_init
-from unirl_pl.experts.base import adapter_bypassed, attach_diffusers_lora
-from unirl_pl.generators.base import LORA_WEIGHTS_FILE, Cond, FlowGenerator, has_component, read_model_index
+from unirl_pl.experts.base import LORA_WEIGHTS_FILE, adapter_bypassed, attach_diffusers_lora
+from unirl_pl.generators.base import Cond, FlowGenerator, has_component, read_model_index
+from unirl_pl.paths import read_json_file
 from unirl_pl.records import cond_rows
 
 LOW_NOISE_SUBFOLDER = "transformer_2"
@@ -105,7 +105,7 @@ class WanGenerator(FlowGenerator):
             if ratio is not None and not 0.0 < float(ratio) < 1.0:
                 raise ValueError(f"{self.pipeline_path!r}: boundary_ratio must be in (0, 1), got {ratio}")
             file = Path(self._folder()) / "scheduler" / "scheduler_config.json"
-            config = json.loads(file.read_text()) if file.is_file() else {}
+            config = read_json_file(file) if file.is_file() else {}
             cached = (None if ratio is None else float(ratio), int(config.get("num_train_timesteps", 1000)))
             self.__dict__["_experts_cache"] = cached
         return cached

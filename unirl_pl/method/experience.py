@@ -17,6 +17,7 @@ from torch import Tensor
 
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
+from unirl_pl.experts.chat import fallback_fraction
 from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
 from unirl_pl.losses import zero_std_fraction
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages
@@ -159,6 +160,6 @@ class ExperienceSource:
             reward_terms=term_stats(parts),
             zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
             images=images,
-            fallback_frac=sum(fell_back) / len(fell_back) if fell_back else None,
+            fallback_frac=fallback_fraction(fell_back) if fell_back else None,  # no refinements: no metric
             image_advantages=image_adv.to(device),
         )

@@ -146,11 +146,7 @@ def dit_loss(
     for step, (a, b) in record.steps():
         logp, mean, std = loop.step_logprob(record, step, (a, b))
         recomputed[a:b, step] = logp.detach()
-        kl = None
-        if settings.beta > 0:
-            with torch.no_grad(), reference():
-                _, ref_mean, _ = loop.step_logprob(record, step, (a, b))
-            kl = flow_kl(mean, ref_mean, std)
+        kl = step_kl(loop, record, step, (a, b), mean, std, settings.beta, reference)
         behavior = record.old_logp[a:b, step]
         old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
         out = flow_grpo_loss(
@@ -162,11 +158,37 @@ def dit_loss(
             beta=settings.beta,
             is_weights=weights,
         )
-        weight = (b - a) / total
-        if backward is not None:
-            backward(weight * out.loss)
-        parts.append((weight, out))
+        add_part(parts, (b - a) / total, out, backward)
     return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)
+
+
+def step_kl(
+    loop: DiffusionDenoise,
+    record: DiTRecord,
+    step: int,
+    chunk: tuple[int, int],
+    mean: Tensor,
+    std: Tensor,
+    beta: float,
+    reference: Reference,
+) -> Tensor | None:
+    """Flow-GRPO's per-sample KL of one (step, micro-batch) to the adapter-disabled reference; None when
+    ``beta`` is 0 (the reference forward is then not paid for)."""
+    if beta <= 0:
+        return None
+    with torch.no_grad(), reference():
+        _, ref_mean, _ = loop.step_logprob(record, step, chunk)
+    return flow_kl(mean, ref_mean, std)
+
+
+def add_part(
+    parts: list[tuple[float, LossOutput]], share: float, out: LossOutput, backward: Callable[[Tensor], None] | None
+) -> None:
+    """Keep one slice's loss with its share of the batch for :func:`weighted_loss`; with ``backward``, its
+    gradient goes back right away, so each slice's graph is freed before the next one is built."""
+    if backward is not None:
+        backward(share * out.loss)
+    parts.append((share, out))
 
 
 def weighted_loss(parts: list[tuple[float, LossOutput]], backpropagated: bool = False) -> LossOutput:

@@ -22,6 +22,7 @@ from unirl_pl.generators import ComponentGenerator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine
 from unirl_pl.rewards.shapes import ShapesGenEval
+from unirl_pl.threads import set_threads
 
 
 def weights_sha256(params: list[torch.nn.Parameter]) -> str:
@@ -105,7 +106,7 @@ class FlowMatchingPretrain(pl.LightningModule):
     ) -> None:
         super().__init__()
         if num_threads is not None:
-            torch.set_num_threads(num_threads)
+            set_threads(num_threads)
         if transformer.in_channels != 3 or transformer.pretrained_path is not None:
             raise ValueError(
                 "FlowMatchingPretrain trains a fresh pixel-space DiT: in_channels 3 and no pretrained_path"

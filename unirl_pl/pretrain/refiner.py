@@ -18,6 +18,7 @@ from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.pretrain.common import warmup_cosine
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
 from unirl_pl.shapes.scenes import parse_caption
+from unirl_pl.threads import set_threads
 
 IGNORE = -100
 
@@ -86,7 +87,7 @@ class RefinerSFT(pl.LightningModule):
     ) -> None:
         super().__init__()
         if num_threads is not None:
-            torch.set_num_threads(num_threads)
+            set_threads(num_threads)
         if llm.pretrained_path is not None:
             raise ValueError("RefinerSFT trains a fresh tiny LM; pretrained_path must be null")
         self.llm = llm
