@@ -14,11 +14,11 @@ import torch
 from PIL import Image
 
 from tests.helpers import JOINT, ROOT, TINY, read_metrics, run_cli, series, subprocess_env
-from unirl_pl import cli as cli_module
 from unirl_pl.callbacks import RLProgressBar, RunSummary, ValidationImages
 from unirl_pl.cli import config_error_message, main
 from unirl_pl.module import UniRLModule
 from unirl_pl.paths import resolve, search_roots
+from unirl_pl.threads import set_threads
 
 FAST = ("--model.rollout.num_steps=4", "--model.rollout.sde_window=[0,2]")
 
@@ -265,8 +265,13 @@ def test_threads_default_to_one_unless_set(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    cli_module.default_threads()
+    set_threads()
     assert calls == [] and os.environ["OMP_NUM_THREADS"] == "3"
     monkeypatch.delenv("OMP_NUM_THREADS")
-    cli_module.default_threads()
+    set_threads()
     assert calls == [1] and os.environ["OMP_NUM_THREADS"] == "1"
+    child: dict[str, str] = {}
+    set_threads(env=child)  # a subprocess's environment: this process is left alone
+    assert child == {"OMP_NUM_THREADS": "1"} and calls == [1]
+    set_threads(4)  # a recipe's own count
+    assert calls == [1, 4]

@@ -1,9 +1,9 @@
 """``python -m unirl_pl``: see :mod:`unirl_pl.cli`."""
 
-import os
+from unirl_pl.threads import set_threads
 
 # Before torch loads: its OpenMP pool (and numpy's BLAS) then start with one thread; OMP_NUM_THREADS wins.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+set_threads()
 
 from unirl_pl.cli import main  # noqa: E402
 

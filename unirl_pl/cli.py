@@ -12,13 +12,13 @@ single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
 
 What the command line adds to LightningCLI:
 
-- one intra-op thread per process unless ``OMP_NUM_THREADS`` is set (OpenMP threads spin-wait on
-  shared cores: the main job ran 10x slower with the default);
+- one intra-op thread per process unless ``OMP_NUM_THREADS`` is set (:mod:`unirl_pl.threads`);
 - input paths of a recipe resolve relative to the recipe or the package (:mod:`unirl_pl.paths`);
 - only ``fit`` creates a logger version folder and saves ``config.yaml``; ``validate`` and
   ``predict`` run without a logger unless ``--trainer.logger`` is given on the command line;
-- a configuration error (parsing, instantiation, a missing input file) prints one short message
-  and exits with status 2; ``JSONARGPARSE_DEBUG=1`` shows the traceback instead.
+- a configuration error (parsing, instantiation, a missing input file) and a bad input file found
+  while running (:class:`~unirl_pl.errors.InputError`) print one short message and exit with status 2;
+  ``JSONARGPARSE_DEBUG=1`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -33,13 +33,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
-from lightning.pytorch.strategies import FSDPStrategy
 
 from unirl_pl.checkpoint import AtomicCheckpointIO
+from unirl_pl.errors import InputError
 from unirl_pl.paths import resolve_inputs, search_roots
+from unirl_pl.threads import set_threads
 
 PROG = "python -m unirl_pl"
 _UNION = "Does not validate against any of the Union subtypes"
@@ -62,7 +62,8 @@ def config_error_message(err: BaseException) -> str:
     current: BaseException | None = err
     while current is not None and all(current is not seen for seen in chain):
         chain.append(current)
-        current = current.__cause__ or current.__context__
+        # As Python's traceback does: past `raise ... from None` the replaced error is not shown.
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
     keys: list[str] = []
     for exc in chain:
         found = re.match(r'\s*Parser key "([^"]+)"', str(exc))
@@ -87,6 +88,22 @@ def config_error_message(err: BaseException) -> str:
 def _unquote(text: str) -> str:
     """A ``KeyError``'s message without the quotes its ``str()`` adds."""
     return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
+def fsdp1_refusal(strategy: Any) -> str | None:
+    """Why ``trainer.strategy`` (a name, or a ``class_path`` namespace) cannot run here, or None when it can.
+
+    Lightning's ``FSDPStrategy`` (FSDP1, names ``fsdp``/``fsdp_cpu_offload``) needs a GPU and does not
+    support manual optimization; checked before the trainer is built, so the user sees this, not Lightning's error.
+    """
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
+    if "fsdp" in str(name).lower() and "ModelParallel" not in str(name):
+        return (
+            "FSDPStrategy (FSDP1) is not supported: it needs a GPU and Lightning does not support it with manual "
+            "optimization. Use FSDP2 instead: trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy "
+            "(see recipes/fsdp.yaml)."
+        )
+    return None
 
 
 class UniRLCLI(LightningCLI):
@@ -134,14 +151,9 @@ class UniRLCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         with self._config_phase():
             config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
-            strategy = config.get("trainer", {}).get("strategy")
-            name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "") or ""
-            if "fsdp" in str(name).lower() and "ModelParallel" not in str(name):
-                raise ValueError(
-                    "FSDPStrategy (FSDP1) is not supported: it needs a GPU and Lightning does not support it with "
-                    "manual optimization. Use FSDP2 instead: trainer.strategy=lightning.pytorch.strategies."
-                    "ModelParallelStrategy (see recipes/fsdp.yaml)."
-                )
+            refusal = fsdp1_refusal(config.get("trainer", {}).get("strategy"))
+            if refusal:
+                raise ValueError(refusal)
             recipes = [str(p) for p in (config.get("config") or []) if p is not None]
             resolve_inputs(config, search_roots(recipes))
             if self.subcommand in ("validate", "predict") and not self._user_set("trainer.logger"):
@@ -154,8 +166,6 @@ class UniRLCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any):
         trainer = super().instantiate_trainer(**kwargs)
-        if isinstance(trainer.strategy, FSDPStrategy):
-            raise ValueError("FSDPStrategy (FSDP1) is not supported; use ModelParallelStrategy (FSDP2).")
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # A crash while writing must leave the previous checkpoint usable; a user-chosen IO is kept.
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
@@ -165,22 +175,11 @@ class UniRLCLI(LightningCLI):
         return trainer
 
 
-def default_threads() -> None:
-    """One intra-op thread per process unless ``OMP_NUM_THREADS`` says otherwise.
-
-    Tiny and CPU-bound models gain little from intra-op threads, and OpenMP workers spin-wait when
-    the cores are shared (other processes, DDP ranks): the main job took 30 min instead of 3. The
-    variable is also inherited by child processes (DDP ranks, data workers).
-    """
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-
-
 def check_recipe_files(args: list[str]) -> None:
-    """Raise :class:`ConfigError` naming the file (and line) of a ``--config`` that is missing or not YAML.
+    """Raise :class:`ConfigError` naming the file (and line) of a ``--config`` that is missing, not UTF-8 or not YAML.
 
-    jsonargparse reports a YAML syntax error against ``"<unicode string>"``, without the file.
+    jsonargparse reports a YAML syntax error against ``"<unicode string>"``, without the file, and a file
+    that is not UTF-8 (or is binary) ends in a codec traceback.
     """
     import yaml
 
@@ -188,10 +187,18 @@ def check_recipe_files(args: list[str]) -> None:
     paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
     for path in paths:
         try:
-            with open(path) as f:
-                yaml.safe_load(f)
+            with open(path, "rb") as f:
+                raw = f.read()
         except FileNotFoundError:
             raise ConfigError(f"--config {path}: no such file") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw.count(b"\n", 0, err.start) + 1
+            hint = "a binary file, not a YAML recipe" if b"\0" in raw[:4096] else "save the recipe as UTF-8"
+            raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte {raw[err.start]:#04x}); {hint}") from None
+        try:
+            yaml.safe_load(text)
         except yaml.YAMLError as err:
             where = getattr(err, "problem_mark", None)
             line = f" line {where.line + 1}, column {where.column + 1}:" if where is not None else ""
@@ -201,8 +208,9 @@ def check_recipe_files(args: list[str]) -> None:
 def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     """Run the CLI (``args`` as on the command line; None reads ``sys.argv``).
 
-    With ``run`` (a subcommand is run), a configuration error prints one short message to stderr and
-    exits with status 2; errors while the subcommand runs propagate. ``run=False`` only parses and
+    With ``run`` (a subcommand is run), a configuration error, and a bad input file
+    (:class:`~unirl_pl.errors.InputError`) wherever it is found, print one short message to stderr and
+    exit with status 2; other errors while the subcommand runs propagate. ``run=False`` only parses and
     instantiates, and raises every error as is.
     """
     given = sys.argv[1:] if args is None else args
@@ -216,7 +224,7 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
         from unirl_pl.plan import main as plan
 
         raise SystemExit(plan(list(given[1:])))
-    default_threads()
+    set_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
     warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
@@ -246,4 +254,10 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
         given = sys.argv[1:] if args is None else args
         subcommand = next((f" {a}" for a in given if a in UniRLCLI.subcommands()), "")
         print(f"error: {err}\nThe options: {PROG}{subcommand} --help", file=sys.stderr)
+        raise SystemExit(2) from None
+    except InputError as err:
+        if not friendly:
+            raise
+        # A bad input file found while the run builds its models (after parsing): as one line too.
+        print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
