@@ -254,7 +254,7 @@ def test_help_names_the_command_and_test_is_gone(capsys):
         main(["--help"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("usage: python -m unirl_pl ") and "{fit,validate,predict}" in out
+    assert out.startswith("usage: python -m unirl_pl ") and "{fit,validate,predict," in out
     with pytest.raises(SystemExit) as stop:
         main(["test", "--config", TINY])
     assert stop.value.code == 2

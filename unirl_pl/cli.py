@@ -1,8 +1,9 @@
-"""``python -m unirl_pl {fit,validate,predict}``: one LightningCLI for every recipe.
+"""``python -m unirl_pl {fit,validate,predict,ablate,bench,export,plan,serve-reward}``: one command line.
 
-``python -m unirl_pl ablate ...`` is dispatched to :mod:`unirl_pl.ablate` (modes x seeds, one
-subprocess per run) and ``python -m unirl_pl plan ...`` to :mod:`unirl_pl.plan` (the memory plan of a
-recipe) before LightningCLI parses anything.
+``fit``, ``validate`` and ``predict`` are one LightningCLI for every recipe. The tools (``ablate``,
+``bench``, ``export``, ``plan``, ``serve-reward``) are dispatched to their modules before LightningCLI
+parses anything (``python -m unirl_pl.bench`` and the other module forms stay as aliases), and
+``python -m unirl_pl --help`` lists them all without loading torch.
 
 A recipe names its LightningModule and DataModule by ``class_path`` (the RL trainer
 :class:`unirl_pl.module.UniRLModule` with :class:`unirl_pl.data.PromptDataModule`, or a pretraining
@@ -37,11 +38,11 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from unirl_pl.checkpoint import AtomicCheckpointIO
+from unirl_pl.commands import PROG, run_before_lightning
 from unirl_pl.errors import InputError
 from unirl_pl.paths import resolve_inputs, search_roots
 from unirl_pl.threads import set_threads
 
-PROG = "python -m unirl_pl"
 _UNION = "Does not validate against any of the Union subtypes"
 _CONFIG_ERRORS = (argparse.ArgumentError, ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError)
 
@@ -214,16 +215,9 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     instantiates, and raises every error as is.
     """
     given = sys.argv[1:] if args is None else args
-    if given and given[0] == "ablate":
-        # Not a LightningCLI subcommand: runs `fit`/`validate` per mode and seed in subprocesses.
-        from unirl_pl.ablate import main as ablate
-
-        raise SystemExit(ablate(list(given[1:])))
-    if given and given[0] == "plan":
-        # Not a LightningCLI subcommand: traces one step of the recipe's real-size experts on fake tensors.
-        from unirl_pl.plan import main as plan
-
-        raise SystemExit(plan(list(given[1:])))
+    handled = run_before_lightning(given)
+    if handled is not None:
+        raise SystemExit(handled)
     set_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
