@@ -17,6 +17,8 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from unirl_pl.errors import InputError
+
 VERSION = re.compile(r"version_(\d+)")
 
 
@@ -68,7 +70,7 @@ class RunCheckpoint(ModelCheckpoint):
             if trainer.state.fn != "fit":
                 # validate/predict run without the recipe's logger: no run folder to search, and scoring
                 # the untrained weights instead would pass unnoticed.
-                raise ValueError(
+                raise InputError(
                     "--ckpt_path=last looks for the newest run in the logger's folder, and this command has "
                     "no logger: give the file, e.g. --ckpt_path=runs/<name>/version_<N>/checkpoints/last.ckpt"
                 )
