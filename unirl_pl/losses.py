@@ -94,6 +94,26 @@ def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
     return (x * mask).sum() / mask.sum().clamp_min(1)
 
 
+def _per_step_loss(
+    per_sample: Tensor,
+    ratio: Tensor,
+    high: Tensor,
+    low: Tensor,
+    *,
+    kl: Tensor | None,
+    beta: float,
+    is_weights: Tensor | None,
+) -> LossOutput:
+    """The shared tail of the per-sample (one denoising step) policy losses: each sample's clipped
+    surrogate times its truncated importance weight (detached), averaged, plus ``beta`` times the mean KL."""
+    if is_weights is not None:
+        per_sample = per_sample * is_weights.detach()
+    pg = per_sample.mean()
+    kl_mean = kl.mean() if kl is not None else per_sample.new_zeros(())
+    loss = pg + beta * kl_mean if kl is not None else pg
+    return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())
+
+
 def _policy_loss_output(
     loss: Tensor, pg: Tensor, kl: Tensor, ratios: Tensor, clip_frac_high: Tensor, clip_frac_low: Tensor
 ) -> LossOutput:
@@ -220,12 +240,7 @@ def flow_grpo_loss(
     :func:`truncated_importance_weights` of this step, multiply each sample's clipped surrogate.
     """
     per_sample, ratio, high, low = clipped_surrogate(logp, old_logp, advantages, clip_eps)
-    if is_weights is not None:
-        per_sample = per_sample * is_weights.detach()
-    pg = per_sample.mean()
-    kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
-    loss = pg + beta * kl_mean if kl is not None else pg
-    return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())
+    return _per_step_loss(per_sample, ratio, high, low, kl=kl, beta=beta, is_weights=is_weights)
 
 
 def grpo_guard_loss(
@@ -255,12 +270,7 @@ def grpo_guard_loss(
     log_ratio = (logp - old_logp + bias) * scale
     per_sample, ratio, high, low = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), advantages, clip_eps)
     per_sample = per_sample / (-dt)
-    if is_weights is not None:
-        per_sample = per_sample * is_weights.detach()
-    pg = per_sample.mean()
-    kl_mean = kl.mean() if kl is not None else logp.new_zeros(())
-    loss = pg + beta * kl_mean if kl is not None else pg
-    return _policy_loss_output(loss, pg, kl_mean, ratio.detach(), high.mean(), low.mean())
+    return _per_step_loss(per_sample, ratio, high, low, kl=kl, beta=beta, is_weights=is_weights)
 
 
 def asymmetric_clipped_surrogate(
