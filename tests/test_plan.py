@@ -31,8 +31,9 @@ from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.method import ExpertLoss
 from unirl_pl.method.grpo import dit_loss
 from unirl_pl.plan.models import SHIPPED, meta_model
-from unirl_pl.plan.planner import candidates_up_to, largest_fitting, plan_step
+from unirl_pl.plan.planner import plan_step
 from unirl_pl.plan.recipe import RecipeError, apply_override, merge, read_recipes, step_recipe
+from unirl_pl.plan.search import candidates_up_to, largest_fitting
 from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker, usage_from_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,15 +11,12 @@ Under an FSDP2 recipe (``ModelParallelStrategy``) the experts are sharded by the
 collectives return fake tensors of the right shapes), so the traces hold one rank's shards, its
 all-gathered blocks and its reduce-scatter buffers.
 
-The micro-batch (``model.rollout.micro_batch_size``) only changes the DiT's rollout chunk and its update;
-the other phases are traced once. For each gradient-checkpointing setting the step is traced at
-micro-batches 1 and 2, the largest candidate their straight line allows is traced, and the search steps
-up or down by tracing until the largest candidate that fits is found: every verdict comes from a trace.
+The micro-batch search is :mod:`unirl_pl.plan.search`; the step's sizes, resident experience and
+training order are :mod:`unirl_pl.plan.step`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -33,7 +30,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from unirl_pl.card import Card
 from unirl_pl.distributed import shard_experts
-from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.method.grpo import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import (
@@ -46,88 +42,11 @@ from unirl_pl.plan.models import (
     resolve_folder,
 )
 from unirl_pl.plan.recipe import StepRecipe
-from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker, Usage
-from unirl_pl.versioning import FeatureCache, VersionLedger
+from unirl_pl.plan.search import Candidate, MicroBatchSearch
+from unirl_pl.plan.step import PHASE_NOTES, PHASES, StepSizes, Tracer, experience, step_sizes, train_step
+from unirl_pl.plan.tracker import AllRowsReal
 
-PHASES = ("lm_decode", "text_encode", "dit_rollout", "vae_decode", "dit_update", "lm_update")
-"""The phases of one step, in the order a step runs them."""
-
-PHASE_NOTES = {
-    "lm_decode": "refiner decode of every refined row: prefill, KV-cache steps, no grad",
-    "text_encode": "the text encoders on one encode batch, no grad",
-    "dit_rollout": "one SDE step of one rollout micro-batch (guided: 2x the rows), no grad",
-    "vae_decode": "the VAE decode of the step's latents (one call, as the rollout makes it)",
-    "dit_update": "one (step, micro-batch) recompute, its reference forward and backward",
-    "lm_update": "the refiner's loss forward with its reference, backward, clipping, optimizer steps",
-}
-
-
-@dataclass(frozen=True)
-class StepSizes:
-    """One rank's sizes in one RL step.
-
-    Args:
-        prompts: Prompts on this rank.
-        texts: Text samples (prompts x samples_per_prompt), each encoded once.
-        refined: Rows the refiner decodes.
-        images: Images (or videos) the generator renders.
-        sde_steps: SDE steps the DiT records and trains per image.
-        prompt_tokens: Tokens of one refiner request (chat template, instruction and prompt).
-        new_tokens: Tokens the refiner generates (``max_new_tokens``, none stopping early).
-        encode_batch: Texts per text-encoder call (the feature cache's batch).
-        cache_entries: Texts whose features the feature cache keeps on the device.
-    """
-
-    prompts: int
-    texts: int
-    refined: int
-    images: int
-    sde_steps: int
-    prompt_tokens: int
-    new_tokens: int
-    encode_batch: int
-    cache_entries: int
-
-
-def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSizes:
-    """The per-rank sizes of ``recipe``'s step; the feature cache's batch and capacity are its defaults."""
-    prompts = recipe.prompts_per_step // recipe.devices
-    layout = recipe.layout
-    texts = prompts * layout.samples_per_prompt
-    start, end = recipe.rollout.sde_window
-    cache = FeatureCache(VersionLedger(["text_encoder"]))
-    return StepSizes(
-        prompts=prompts,
-        texts=texts,
-        refined=len(layout.refined_rows(prompts, refine=refines)),
-        images=texts * layout.images_per_refinement,
-        sde_steps=end - start,
-        prompt_tokens=prompt_tokens,
-        new_tokens=recipe.rollout.max_new_tokens,
-        encode_batch=cache.encode_batch,
-        cache_entries=cache.max_entries,
-    )
-
-
-@dataclass
-class Candidate:
-    """One traced setting of the DiT's micro-batch and checkpointing.
-
-    Args:
-        micro_batch: ``model.rollout.micro_batch_size``.
-        checkpointing: ``model.generator.init_args.gradient_checkpointing``.
-        phases: Peak usage per phase at this setting (the micro-batch-independent ones included).
-    """
-
-    micro_batch: int
-    checkpointing: bool
-    phases: dict[str, Usage]
-
-    @property
-    def peak(self) -> tuple[str, Usage]:
-        """The phase with the highest peak, and its usage."""
-        name = max(self.phases, key=lambda n: self.phases[n].total)
-        return name, self.phases[name]
+__all__ = ["PHASES", "PHASE_NOTES", "Candidate", "Plan", "plan_step"]
 
 
 @dataclass
@@ -186,109 +105,6 @@ class Plan:
         if self.largest.get(False) is not None:
             return False
         return True if self.largest.get(True) is not None else None
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes one rank holds of ``tensor`` (its local shard when it is an FSDP2 ``DTensor``)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-class Tracer:
-    """Runs phases under the tracker with the step's steady-state residents tracked alongside.
-
-    Args:
-        experts: The experts (fake for a plan, real to check one).
-        optimizers: The trained experts' optimizers (their state is resident).
-        losses: Each optimizer's expert loss settings (its gradient clip).
-        log: Progress messages (one line per trace).
-    """
-
-    def __init__(
-        self,
-        experts: FakeExperts,
-        optimizers: list[torch.optim.Optimizer],
-        losses: list[ExpertLoss],
-        log: Callable[[str], None],
-    ) -> None:
-        self.experts, self.optimizers, self.losses, self.log = experts, optimizers, losses, log
-        params = {id(p): p for m in experts.modules() for p in m.parameters() if p.requires_grad}
-        self.trainable_bytes = sum(local_bytes(p) for p in params.values())
-
-    @contextmanager
-    def tracking(self, name: str, resident: dict[str, torch.Tensor]) -> Iterator[PlanMemTracker]:
-        """A tracker over one trace named ``name`` with the models, optimizer state and ``resident`` tensors."""
-        tracker = PlanMemTracker(self.trainable_bytes)
-        tracker.track_external(*self.experts.modules(), *self.optimizers, *resident.values())
-        start = time.monotonic()
-        with tracker:
-            yield tracker
-        self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {tracker.peak().total / 2**30:.1f} GiB")
-
-
-def experience(
-    sizes: StepSizes,
-    latent_shape: tuple[int, ...],
-    cond_rows: dict[str, tuple[tuple[int, ...], torch.dtype]],
-    pixel_row: tuple[int, ...] | None,
-    parts: set[str],
-) -> dict[str, torch.Tensor]:
-    """The step's resident tensors at full size (created in the caller's mode), named by part:
-
-    - ``cache``: the feature cache's rows (``cache_entries`` texts, each of ``cond_rows``' shapes);
-    - ``cond``: the step's stacked conditioning of every image and the one-row unconditional branch;
-    - ``record``: the DiT record, x_t and x_next of every image and SDE step (float32) and their log-probs;
-    - ``latents``: the rollout's final latents (float32);
-    - ``images``: the decoded pixels the experience keeps (float32);
-    - ``lm_record``: the refiner's tokens, masks and log-probs.
-
-    Phases read slices of them (a micro-batch's rows of the record and the conditioning), as a fit does,
-    so a trace counts the copies a phase makes and never a second record.
-    """
-    out: dict[str, torch.Tensor] = {}
-    n, s = sizes.images, sizes.sde_steps
-    if "cache" in parts:
-        out |= {f"cache.{k}": torch.zeros(sizes.cache_entries, *shape, dtype=d) for k, (shape, d) in cond_rows.items()}
-    if "cond" in parts:
-        out |= {f"cond.{k}": torch.zeros(n + 1, *shape, dtype=d) for k, (shape, d) in cond_rows.items()}
-    if "record" in parts:
-        out |= {"prev": torch.zeros(n, s, *latent_shape), "sample": torch.zeros(n, s, *latent_shape)}
-        out["old_logp"] = torch.zeros(n, s)
-    if "latents" in parts:
-        out["latents"] = torch.zeros(n, *latent_shape)
-    if "images" in parts and pixel_row is not None:
-        out["images"] = torch.zeros(n, *pixel_row)
-    if "lm_record" in parts and sizes.refined:
-        total = sizes.prompt_tokens + sizes.new_tokens
-        out["lm.ids"] = torch.zeros(sizes.refined, total, dtype=torch.long)
-        out["lm.mask"] = torch.ones(sizes.refined, total, dtype=torch.long)
-        out["lm.mask"][0, 0] = 0  # left padding: requests differ in length, so attention takes a mask
-        out["lm.gen_mask"] = torch.ones(sizes.refined, sizes.new_tokens, dtype=torch.bool)
-        out["lm.old_logp"] = torch.zeros(sizes.refined, sizes.new_tokens)
-    return out
-
-
-def step_cond(resident: dict[str, torch.Tensor], rows: int) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """A micro-batch's conditioning (the first ``rows`` rows of the step's stacked ``cond``) and the
-    one-row unconditional branch (its last row), both views."""
-    cond = {k[len("cond.") :]: v[:rows] for k, v in resident.items() if k.startswith("cond.")}
-    uncond = {k[len("cond.") :]: v[-1:] for k, v in resident.items() if k.startswith("cond.")}
-    return cond, uncond
-
-
-def set_checkpointing(experts: FakeExperts, on: bool) -> None:
-    """Turn gradient checkpointing of every generator transformer on or off (diffusers' own switch)."""
-    for model in experts.transformers():
-        if on:
-            model.enable_gradient_checkpointing()
-        else:
-            model.disable_gradient_checkpointing()
-
-
-def candidates_up_to(n: int, extra: list[int]) -> list[int]:
-    """Powers of two up to ``n``, plus ``n`` and ``extra``: the micro-batches a search may trace."""
-    values = {1 << i for i in range(int(math.log2(max(n, 1))) + 1)} | {n} | {m for m in extra if 1 <= m <= n}
-    return sorted(values)
 
 
 def build_experts(
@@ -425,7 +241,7 @@ def plan_step(
             optimizers, losses = steady_state(experts, recipe, trained)
             tracer = Tracer(experts, optimizers, losses, log)
             fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained)
-            search = _MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
+            search = MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
             result.candidates = search.candidates
             search.trace(recipe_mb, recipe.gradient_checkpointing, rollout=True)
             for checkpointing in (recipe.gradient_checkpointing, not recipe.gradient_checkpointing):
@@ -465,181 +281,6 @@ def _fixed_phases(
         # prompt_only: the refiner's update is the whole training step.
         resident = experience(sizes, generator.latent_shape, cond_rows, found["pixel_row"], parts | {"images"})
         with tracer.tracking("lm_update", resident) as t:
-            _train_step(tracer, experts, recipe, resident, None, True, t)
+            train_step(tracer, experts, recipe, resident, None, True, t)
         found["usage"]["lm_update"] = t.marks["lm_update"]
     return found
-
-
-def _train_step(
-    tracer: Tracer,
-    experts: FakeExperts,
-    recipe: StepRecipe,
-    resident: dict[str, torch.Tensor],
-    dit: tuple[DiffusionDenoise, Any] | None,
-    lm_trained: bool,
-    tracker: PlanMemTracker,
-    held_graph: int | None = None,
-) -> int:
-    """``UniRLModule.training_step``'s order: clear the gradients, the refiner's loss forward (its graph
-    kept), the DiT's per-(step, micro-batch) updates, the refiner's backward, clipping and optimizer
-    steps. Marks ``dit_update`` (the DiT's part, the refiner's graph held) and ``lm_update`` (the rest);
-    returns the bytes the refiner's graph holds while the DiT updates.
-
-    The refiner's part does not depend on the DiT's micro-batch: with ``held_graph`` (its bytes, traced
-    before) a buffer of that size stands in for its graph during the DiT's update and the refiner's
-    forward and backward are not traced again (``lm_update`` is then not marked)."""
-    for optimizer in tracer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
-    before = tracker.current().total
-    lm_out = stand_in = None
-    if lm_trained and experts.llm is not None and held_graph is None:
-        loop = ARDecode(experts.llm, recipe.rollout)
-        names = ("lm.ids", "lm.mask", "lm.gen_mask", "lm.old_logp")
-        record = phases.lm_record(*(resident[n] for n in names))
-        lm_out = phases.lm_loss_forward(loop, record, recipe.llm_loss, experts.llm.adapter_disabled)
-    elif lm_trained and held_graph:
-        stand_in = torch.empty(held_graph, dtype=torch.uint8)
-    held = tracker.current().total - before
-    forward = tracker.mark("lm_update")
-    if dit is not None:
-        loop, record = dit
-        phases.dit_update(loop, record, recipe.transformer_loss, experts.generator.adapter_disabled, _backward)
-        tracker.mark("dit_update")
-    if lm_out is not None:
-        lm_out.loss.backward()
-    del stand_in
-    for optimizer, settings in zip(tracer.optimizers, tracer.losses, strict=True):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
-        optimizer.step()
-    backward = tracker.mark("lm_backward")
-    if held_graph is None:
-        tracker.marks["lm_update"] = max(forward, backward, key=lambda u: u.total)
-    else:
-        del tracker.marks["lm_update"]
-    return held
-
-
-def _backward(loss: torch.Tensor) -> None:
-    loss.backward()
-
-
-class _MicroBatchSearch:
-    """Traces the micro-batch-dependent phases per (micro_batch, checkpointing) and searches the largest
-    micro-batch that fits; every traced setting is kept as a :class:`Candidate`."""
-
-    def __init__(
-        self,
-        tracer: Tracer,
-        experts: FakeExperts,
-        recipe: StepRecipe,
-        sizes: StepSizes,
-        trained: list[str],
-        fixed: dict[str, Any],
-    ) -> None:
-        self.tracer, self.experts, self.recipe, self.sizes, self.trained = tracer, experts, recipe, sizes, trained
-        self.fixed = fixed
-        self.candidates: list[Candidate] = []
-        # The refiner's update, traced with the first setting: its graph's bytes and its peak.
-        self.held_lm_graph = 0
-        self.lm_update: Usage | None = None
-        shape, rows = experts.generator.latent_shape, fixed["cond_rows"]
-        self.dit_trained = "transformer" in trained
-        base = {"cache", "cond"} | ({"lm_record"} if "llm" in trained else set())
-        base |= {"record"} if self.dit_trained else set()
-        self.rollout_resident = experience(sizes, shape, rows, None, base)
-        self.train_resident = experience(sizes, shape, rows, fixed["pixel_row"], base | {"images"})
-        self.guided = recipe.rollout.guided
-
-    def trace(self, micro_batch: int, checkpointing: bool, rollout: bool = False) -> Candidate:
-        """Trace (once) the training step at this setting when the DiT trains, and the rollout chunk when
-        ``rollout`` or when nothing else depends on the micro-batch. The search leaves the rollout out:
-        the update's trace holds the same chunk's forward with gradients (and more resident experience),
-        so it peaks above the rollout's; the reported settings are completed with it."""
-        found = next(
-            (c for c in self.candidates if (c.micro_batch, c.checkpointing) == (micro_batch, checkpointing)), None
-        )
-        rollout = rollout or not self.dit_trained
-        if found is not None and (not rollout or "dit_rollout" in found.phases):
-            return found
-        set_checkpointing(self.experts, checkpointing)
-        loop = DiffusionDenoise(self.experts.generator, self.recipe.rollout)
-        usage = dict(self.fixed["usage"]) if found is None else dict(found.phases)
-        tag = f"micro-batch {micro_batch}, checkpointing {'on' if checkpointing else 'off'}"
-        if rollout:
-            cond, uncond = step_cond(self.rollout_resident, micro_batch)
-            with self.tracer.tracking(f"dit_rollout ({tag})", self.rollout_resident) as t:
-                phases.dit_rollout_step(loop, cond, uncond if self.guided else None)
-            usage["dit_rollout"] = t.peak()
-        if found is not None:
-            found.phases = {p: usage[p] for p in PHASES if p in usage}
-            return found
-        if self.dit_trained:
-            resident = self.train_resident
-            cond, uncond = step_cond(resident, micro_batch)
-            record = phases.dit_record(
-                loop,
-                resident["prev"][:micro_batch, :1],
-                resident["sample"][:micro_batch, :1],
-                resident["old_logp"][:micro_batch, :1],
-                cond,
-                uncond if self.guided else None,
-            )
-            lm_trained = "llm" in self.trained
-            again = self.lm_update is not None
-            with self.tracer.tracking(f"train step ({tag})", resident) as t:
-                held = _train_step(
-                    self.tracer,
-                    self.experts,
-                    self.recipe,
-                    resident,
-                    (loop, record),
-                    lm_trained,
-                    t,
-                    held_graph=self.held_lm_graph if again else None,
-                )
-            usage["dit_update"] = t.marks["dit_update"]
-            if lm_trained:
-                if not again:
-                    self.lm_update, self.held_lm_graph = t.marks["lm_update"], held
-                usage["lm_update"] = self.lm_update
-            del record
-        candidate = Candidate(micro_batch, checkpointing, {p: usage[p] for p in PHASES if p in usage})
-        self.candidates.append(candidate)
-        return candidate
-
-    def largest(self, budget: int, checkpointing: bool, extra: list[int]) -> int | None:
-        """The largest candidate micro-batch whose trace fits ``budget`` with this checkpointing setting;
-        the answer's rollout chunk is traced too, and a smaller candidate is taken if that does not fit."""
-        values = candidates_up_to(self.sizes.images, extra)
-        while values:
-            found = largest_fitting(values, lambda m: self.trace(m, checkpointing).peak[1].total, budget)
-            if found is None or self.trace(found, checkpointing, rollout=True).peak[1].total <= budget:
-                return found
-            values = [m for m in values if m < found]
-        return None
-
-
-def largest_fitting(values: list[int], peak: Callable[[int], int], budget: int) -> int | None:
-    """The largest of the sorted ``values`` whose ``peak`` (a trace, cached by the caller) is within
-    ``budget``, assuming the peak grows with the value; None when the smallest does not fit.
-
-    ``peak`` at the two smallest values gives a straight line; the search starts at the largest value the
-    line keeps within budget and steps up while the next fits, or down until one fits, so the answer is
-    always a traced value that fits next to a traced one that does not (or the end of ``values``).
-    """
-    if peak(values[0]) > budget:
-        return None
-    if len(values) == 1:
-        return values[0]
-    low, high = values[0], values[1]
-    slope = (peak(high) - peak(low)) / (high - low)
-    i = max(j for j, m in enumerate(values) if j == 0 or peak(low) + slope * (m - low) <= budget)
-    if peak(values[i]) <= budget:
-        while i + 1 < len(values) and peak(values[i + 1]) <= budget:
-            i += 1
-        return values[i]
-    while i > 0 and peak(values[i - 1]) > budget:
-        i -= 1
-    return values[i - 1] if i > 0 else None
