@@ -30,7 +30,7 @@ from unirl_pl.generators import SD3Generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.method import ExpertLoss
 from unirl_pl.method.grpo import dit_loss
-from unirl_pl.plan.models import SHIPPED, meta_model
+from unirl_pl.plan.models import SHIPPED, meta_model, resolve_folder
 from unirl_pl.plan.planner import plan_step
 from unirl_pl.plan.recipe import RecipeError, apply_override, merge, read_recipes, step_recipe
 from unirl_pl.plan.search import candidates_up_to, largest_fitting
@@ -274,6 +274,16 @@ def test_plan_command_refuses_a_missing_recipe_in_one_line(capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0] == "error: --config no/such/recipe.yaml: no such file"
+
+
+def test_a_missing_model_folder_is_an_error_not_the_shipped_default():
+    """A folder given on the command line must exist (or name a shipped config); the recipe's hub id maps
+    to the shipped config of that name, and a recipe without one falls back to the family's default."""
+    assert resolve_folder(None, "Qwen/Qwen2.5-7B-Instruct", None, "LM") == SHIPPED / "Qwen2.5-7B-Instruct"
+    assert resolve_folder(None, "/elsewhere/model", "FLUX.1-dev", "pipeline") == SHIPPED / "FLUX.1-dev"
+    assert resolve_folder("Wan2.2-T2V-A14B-Diffusers", None, "FLUX.1-dev", "p") == SHIPPED / "Wan2.2-T2V-A14B-Diffusers"
+    with pytest.raises(FileNotFoundError, match="shipped configs: FLUX.1-dev"):
+        resolve_folder("/no/such/folder", None, "FLUX.1-dev", "pipeline")
 
 
 @pytest.mark.integration

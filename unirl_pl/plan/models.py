@@ -47,23 +47,26 @@ def shipped_configs() -> list[str]:
     return sorted(p.name for p in SHIPPED.iterdir() if p.is_dir())
 
 
-def resolve_folder(path: str | None, default: str | None, what: str) -> Path:
-    """The config folder for ``path``: a local folder as is, else a shipped config named by ``path`` or by
-    its last component (``Qwen/Qwen2.5-1.5B-Instruct`` is the shipped ``Qwen2.5-1.5B-Instruct``), else
-    the shipped ``default``. Raises ``FileNotFoundError`` listing the shipped configs otherwise."""
-    for candidate in [path, default]:
+def resolve_folder(given: str | None, recipe: str | None, default: str | None, what: str) -> Path:
+    """The config folder of a model. ``given`` (a command-line path) must be a local folder or a shipped
+    config's name. The recipe's path may be a hub id or a folder of another machine: it is used when it
+    is a local folder or names a shipped config by its last component (``Qwen/Qwen2.5-1.5B-Instruct`` is
+    the shipped ``Qwen2.5-1.5B-Instruct``), else the shipped ``default`` stands in. Raises
+    ``FileNotFoundError`` listing the shipped configs when nothing matches."""
+    choices = [given] if given else [recipe, default]
+    for candidate in choices:
         if not candidate:
             continue
         local = Path(candidate).expanduser()
         if local.is_dir():
             return local
-        for name in (candidate, Path(candidate).name):
+        for name in (candidate, local.name):
             if (SHIPPED / name).is_dir():
                 verify_assets(SHIPPED / name)
                 return SHIPPED / name
     raise FileNotFoundError(
-        f"no {what} config for {path!r}: pass a local folder (its config.json files are enough) or one of the "
-        f"shipped configs: {', '.join(shipped_configs())}"
+        f"no {what} config at {given or recipe!r}: pass a local folder (its config.json files are enough) or one of "
+        f"the shipped configs: {', '.join(shipped_configs())}"
     )
 
 

@@ -113,10 +113,10 @@ def build_experts(
     """The recipe's experts from the given folders or the shipped configs (see ``resolve_folder``): fake
     in ``mode``, or loaded with their weights by their own ``build()`` when ``mode`` is None."""
     default = DEFAULT_PIPELINES.get(recipe.generator_class.__name__)
-    folder = resolve_folder(pipeline_path or recipe.pipeline_path, default, "pipeline")
+    folder = resolve_folder(pipeline_path, recipe.pipeline_path, default, "pipeline")
     llm_folder = None
     if recipe.llm_args is not None:
-        llm_folder = resolve_folder(llm_path or recipe.llm_args.get("pretrained_path"), None, "refiner LM")
+        llm_folder = resolve_folder(llm_path, recipe.llm_args.get("pretrained_path"), None, "refiner LM")
     if mode is None:
         return real_experts(recipe.generator_class, recipe.generator_args, folder, recipe.llm_args, llm_folder)
     generator, extras = build_generator(recipe.generator_class, recipe.generator_args, folder, mode)
