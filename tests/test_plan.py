@@ -212,6 +212,12 @@ def test_recipe_reading_merges_overlays_and_rejects_unknown_keys(tmp_path):
     apply_override(config, "model.rollout.micro_batch", "4")
     with pytest.raises(RecipeError, match="model.rollout"):
         step_recipe(config)
+    # The algorithms are the recipe's (what PolicyLosses calls), Flow-GRPO and token GRPO by default.
+    assert (
+        type(recipe.generator_algorithm).__name__ == "FlowGRPO" and type(recipe.llm_algorithm).__name__ == "TokenGRPO"
+    )
+    dapo = read_recipes([str(ROOT / "recipes" / name) for name in ("sd35.yaml", "algorithms/dapo.yaml")])
+    assert type(step_recipe(dapo).llm_algorithm).__name__ == "DAPO"
 
 
 # ------------------------------------------------------------------ shipped configs

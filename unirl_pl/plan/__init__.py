@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: 0 after printing a plan, 2 with a one-line ``error:`` for a configuration mistake."""
     try:
         run(list(sys.argv[1:] if argv is None else argv))
-    except (RecipeError, FileNotFoundError, ValueError) as err:
+    except (RecipeError, FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {' '.join(str(err).split())}\nThe options: {PROG} --help", file=sys.stderr)
         return 2
     return 0

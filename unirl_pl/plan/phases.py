@@ -4,13 +4,15 @@ mode makes (fake tensors for a plan, real ones to check the plan against).
 Every function creates its inputs itself (so they are fake inside ``FakeTensorMode``) and calls the
 same loops, generator surface and losses a fit calls: ``CausalLMExpert.forward`` with a KV cache as
 ``ARDecode.sample`` runs it, ``FlowGenerator.encode``/``decode``, ``DiffusionDenoise.velocity`` with
-``flow_sde_step_with_logprob``, ``grpo.dit_loss`` and ``grpo.lm_loss``. Values never matter, shapes do.
+``flow_sde_step_with_logprob``, and the recipe's algorithms' losses (``grpo.dit_loss`` and ``grpo.lm_loss``
+by default). Values never matter, shapes do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,7 +21,7 @@ from transformers import DynamicCache
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.loops.ar_decode import positions, process_logits
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss, dit_loss, lm_loss
+from unirl_pl.method.grpo import ExpertLoss
 from unirl_pl.records import Cond, DiTRecord, LMRecord
 from unirl_pl.sampling import flow_sde_step_with_logprob
 
@@ -140,22 +142,36 @@ def dit_record(
 
 
 def dit_update(
+    algorithm: Any,
     loop: DiffusionDenoise,
     record: DiTRecord,
     settings: ExpertLoss,
     reference: Callable,
     backward: Callable[[Tensor], None],
 ) -> LossOutput:
-    """The DiT's Flow-GRPO update over ``record`` through ``grpo.dit_loss``: per (step, micro-batch) the
-    recompute with grad, the adapter-disabled reference forward when the KL is on, and ``backward``."""
+    """The DiT's update over ``record`` as ``PolicyLosses.loss`` runs it, through the recipe's generator
+    algorithm (Flow-GRPO's ``grpo.dit_loss`` by default): per (step, micro-batch) the recompute with grad,
+    the adapter-disabled reference forward when the KL is on, and ``backward``."""
     advantages = torch.zeros(record.old_logp.shape[0])
-    return dit_loss(loop, record, advantages, settings, reference, backward=backward)
+    algorithm.check_settings(settings)
+    try:
+        return algorithm.loss(loop, record, advantages, settings, reference, backward=backward, anchor=None)
+    except AttributeError as err:
+        # A likelihood-free algorithm (DiffusionNFT) trains from a record of another kind.
+        raise NotImplementedError(
+            f"plan traces the SDE-step records of Flow-GRPO-style algorithms; {type(algorithm).__name__} reads "
+            f"another record ({err})"
+        ) from None
 
 
-def lm_loss_forward(loop: ARDecode, record: LMRecord, settings: ExpertLoss, reference: Callable) -> LossOutput:
-    """The refiner's token-level GRPO loss through ``grpo.lm_loss`` (its graph is kept for the backward)."""
+def lm_loss_forward(
+    algorithm: Any, loop: ARDecode, record: LMRecord, settings: ExpertLoss, reference: Callable
+) -> LossOutput:
+    """The refiner's loss through the recipe's refiner algorithm (token GRPO's ``grpo.lm_loss`` by
+    default); its graph is kept for the backward."""
     advantages = torch.zeros(record.old_logp.shape[0])
-    return lm_loss(loop, record, advantages, settings, reference)
+    algorithm.check_settings(settings)
+    return algorithm.loss(loop, record, advantages, settings, reference, anchor=None)
 
 
 def vae_decode(generator: torch.nn.Module, latents: Tensor) -> Tensor:

@@ -4,7 +4,7 @@ The step's phases (:mod:`unirl_pl.plan.phases`) each run under :class:`~unirl_pl
 with what stays on the device in a running fit tracked alongside: every model's weights, the trained
 experts' LoRA gradients and optimizer state (steady state: the previous step's gradients live until the
 next ``training_step`` clears them), and the experience that phase of the step holds (see
-:func:`experience`). A phase's peak is therefore the device's peak while it runs, not the phase alone.
+:func:`~unirl_pl.plan.step.experience`). A phase's peak is therefore the device's peak while it runs.
 
 Under an FSDP2 recipe (``ModelParallelStrategy``) the experts are sharded by the project's own
 ``distributed.shard_experts`` over a fake process group of ``devices`` ranks (no communication: the

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from unirl_pl.algorithms import FlowGRPO, TokenGRPO
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.method import ExpertLoss
 from unirl_pl.method.advantages import GroupLayout
@@ -99,6 +100,8 @@ class StepRecipe:
         llm_loss: The refiner's loss settings.
         transformer_optimizer: The DiT optimizer's (class, init_args).
         llm_optimizer: The refiner optimizer's (class, init_args).
+        generator_algorithm: How the DiT learns (``model.generator_algorithm``; FlowGRPO by default).
+        llm_algorithm: How the refiner learns (``model.llm_algorithm``; TokenGRPO by default).
         prompts_per_step: Prompts per step over all ranks.
         layout: Samples per prompt, unrefined samples, images per refinement.
         devices: Ranks (``trainer.devices``, or ``--devices``).
@@ -116,6 +119,8 @@ class StepRecipe:
     llm_loss: ExpertLoss
     transformer_optimizer: tuple[type, dict[str, Any]]
     llm_optimizer: tuple[type, dict[str, Any]]
+    generator_algorithm: Any
+    llm_algorithm: Any
     prompts_per_step: int
     layout: GroupLayout
     devices: int
@@ -134,6 +139,13 @@ def _optimizer(node: Any, default_lr: float) -> tuple[type, dict[str, Any]]:
 
         return torch.optim.AdamW, {"lr": default_lr}
     return import_class(node["class_path"]), _args(node)
+
+
+def _algorithm(node: Any, default: type, key: str) -> Any:
+    """The algorithm a recipe names (``class_path`` and ``init_args``), or ``default()``."""
+    if not isinstance(node, dict) or "class_path" not in node:
+        return default()
+    return _build(import_class(node["class_path"]), _args(node), key)
 
 
 def _build(factory: type, args: dict[str, Any], key: str) -> Any:
@@ -194,6 +206,8 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
         llm_loss=_build(ExpertLoss, model.get("llm_loss") or {}, "model.llm_loss"),
         transformer_optimizer=_optimizer(model.get("transformer_optimizer"), 3e-4),
         llm_optimizer=_optimizer(model.get("llm_optimizer"), 1e-3),
+        generator_algorithm=_algorithm(model.get("generator_algorithm"), FlowGRPO, "model.generator_algorithm"),
+        llm_algorithm=_algorithm(model.get("llm_algorithm"), TokenGRPO, "model.llm_algorithm"),
         prompts_per_step=prompts,
         layout=layout,
         devices=world,

@@ -99,7 +99,7 @@ class MicroBatchSearch:
         if found is not None and (not rollout or "dit_rollout" in found.phases):
             return found
         set_checkpointing(self.experts, checkpointing)
-        loop = DiffusionDenoise(self.experts.generator, self.recipe.rollout)
+        loop = DiffusionDenoise(self.experts.generator, self.recipe.rollout, self.recipe.generator_algorithm)
         usage = dict(self.fixed["usage"]) if found is None else dict(found.phases)
         tag = f"micro-batch {micro_batch}, checkpointing {'on' if checkpointing else 'off'}"
         if rollout:

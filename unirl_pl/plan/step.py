@@ -199,14 +199,17 @@ def train_step(
         loop = ARDecode(experts.llm, recipe.rollout)
         names = ("lm.ids", "lm.mask", "lm.gen_mask", "lm.old_logp")
         record = phases.lm_record(*(resident[n] for n in names))
-        lm_out = phases.lm_loss_forward(loop, record, recipe.llm_loss, experts.llm.adapter_disabled)
+        lm_out = phases.lm_loss_forward(
+            recipe.llm_algorithm, loop, record, recipe.llm_loss, experts.llm.adapter_disabled
+        )
     elif lm_trained and held_graph:
         stand_in = torch.empty(held_graph, dtype=torch.uint8)
     held = tracker.current().total - before
     forward = tracker.mark("lm_update")
     if dit is not None:
         loop, record = dit
-        phases.dit_update(loop, record, recipe.transformer_loss, experts.generator.adapter_disabled, _backward)
+        reference = experts.generator.adapter_disabled
+        phases.dit_update(recipe.generator_algorithm, loop, record, recipe.transformer_loss, reference, _backward)
         tracker.mark("dit_update")
     if lm_out is not None:
         lm_out.loss.backward()
