@@ -4,6 +4,7 @@ against values computed by hand; and scoring remote terms while the rest of the 
 from __future__ import annotations
 
 import math
+import itertools
 import threading
 
 import pytest
@@ -114,7 +115,7 @@ def test_remote_terms_and_their_decode_micro_batch():
 
 def test_a_chunks_request_is_in_flight_while_the_next_chunk_decodes():
     decoded, second_decode_started = [], threading.Event()
-    overlapped = []
+    overlapped, calls = [], itertools.count()
 
     def decode(latents: torch.Tensor) -> torch.Tensor:
         decoded.append(latents.shape[0])
@@ -123,7 +124,9 @@ def test_a_chunks_request_is_in_flight_while_the_next_chunk_decodes():
         return latents * 2
 
     def score(prompts, refined, images) -> torch.Tensor:
-        if not overlapped:  # the first chunk's request: is the second chunk decoding meanwhile?
+        # Only the first chunk's request asks (the counter is atomic; a later request may start while the
+        # first still waits): is the second chunk decoding meanwhile?
+        if next(calls) == 0:
             overlapped.append(second_decode_started.wait(timeout=5))
         return images.flatten(1).sum(1)
 
