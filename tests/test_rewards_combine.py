@@ -3,8 +3,8 @@ against values computed by hand; and scoring remote terms while the rest of the 
 
 from __future__ import annotations
 
-import math
 import itertools
+import math
 import threading
 
 import pytest
