@@ -33,7 +33,6 @@ from unirl_pl.generators import ComponentGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.records import Experience
-from unirl_pl.sampling import flow_sigmas
 
 # "<pad>" is the tokenizer's pad token: inside a prompt it becomes the pad id with attention mask 1.
 PROMPTS = ["a red circle", "a blue <pad> square"]
