@@ -71,6 +71,31 @@ def test_a_group_encodes_its_prompt_once_and_llm_updates_keep_the_cache_warm():
     assert calls[-1] == ["a"] * 8, "a text_encoder version change invalidates its features"
 
 
+def test_cache_size_and_offload_are_the_rollout_settings_and_offloaded_rows_are_host_copies():
+    from tests.helpers import TINY
+    from unirl_pl.cli import main
+    from unirl_pl.loops import RolloutConfig
+
+    args = ["--config", TINY, "--trainer.logger=false", "--trainer.callbacks=[]"]
+    cli = main([*args, "--model.rollout.feature_cache_size=3", "--model.rollout.feature_cache_offload=true"], run=False)
+    cache = cli.model.conditioning.cache
+    assert cache.max_entries == 3 and cache.offload
+    assert not main(args, run=False).model.conditioning.cache.offload
+    calls: list[list[str]] = []
+    texts = ["a", "bb", "ccc", "dddd"]
+    got = cache.get_or_compute("text_encoder", texts, _encoder(calls))["f"]
+    kept = FeatureCache(VersionLedger(["text_encoder"])).get_or_compute("text_encoder", texts, _encoder([]))["f"]
+    assert torch.equal(got, kept), "offloading changes where rows live, never their values"
+    assert len(cache) == 3, "least recently used rows leave beyond feature_cache_size"
+    assert got.device == cache.device
+    for row in cache._store.values():
+        assert row["f"].device.type == "cpu"
+        # A kept row owns its storage: a view would hold its whole encode batch (8 rows) alive.
+        assert row["f"].untyped_storage().nbytes() == row["f"].numel() * row["f"].element_size()
+    with pytest.raises(ValueError, match="feature_cache_size"):
+        RolloutConfig(feature_cache_size=0)
+
+
 def test_cached_features_do_not_depend_on_what_missed_with_them():
     """A cold cache (after a resume) must condition the generator exactly as the warm one did."""
     encoder = TextEncoderExpert()

@@ -104,6 +104,29 @@ def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
     )
 
 
+def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit_update(folders):
+    """With ``rollout.lm_micro_batch_size`` the refiner's loss is backpropagated before the DiT's update: what
+    it holds there shrinks from its whole graph to its LoRA gradients, and the DiT update's peak with it."""
+    pipeline, lm = folders
+    plans = {
+        size: plan_step(
+            _tiny_recipe(**{"model.rollout.lm_micro_batch_size": size}),
+            budget=1 << 40,
+            title="tiny",
+            pipeline_path=str(pipeline),
+            llm_path=lm,
+            prompt_tokens=24,
+            log=lambda _: None,
+        )
+        for size in ("null", "1")
+    }
+    whole, chunked = plans["null"], plans["1"]
+    assert chunked.lm_micro_batch == 1 and whole.lm_micro_batch is None
+    assert 0 < chunked.held_lm_graph < whole.held_lm_graph / 4
+    peak = {k: p.recipe_candidate.phases["dit_update"].total for k, p in plans.items()}
+    assert peak["1"] < peak["null"]
+
+
 # ------------------------------------------------------------------ the update's memory is flat in K
 
 

@@ -18,11 +18,20 @@ class Conditioner:
         generator: Anything with ``encode(texts) -> Cond`` and ``decode(latents) -> pixels in [0, 1]``.
         ledger: Weight versions; a cached feature is valid for its text encoder's version only.
         component: The card component whose version keys the cache.
+        cache_size: Texts the cache keeps (``rollout.feature_cache_size``).
+        offload: Keep cached features in host memory (``rollout.feature_cache_offload``).
     """
 
-    def __init__(self, generator: Any, ledger: VersionLedger, component: str = "text_encoder") -> None:
+    def __init__(
+        self,
+        generator: Any,
+        ledger: VersionLedger,
+        component: str = "text_encoder",
+        cache_size: int = 4096,
+        offload: bool = False,
+    ) -> None:
         self.generator, self.component = generator, component
-        self.cache = FeatureCache(ledger)
+        self.cache = FeatureCache(ledger, max_entries=cache_size, offload=offload)
 
     def encode(self, texts: list[str]) -> Cond:
         """Features of ``texts``: each distinct text is encoded once per text-encoder version."""

@@ -333,9 +333,10 @@ def refiner_token_loss(
 
 
 def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean over rows of each row's masked token mean; rows without a real token count as 0."""
+    """Mean over rows of each row's masked token mean; rows without a real token are left out (so a
+    micro-batch's share of the mean is its share of the real rows)."""
     per_row = (x * mask).sum(1) / mask.sum(1).clamp_min(1)
-    return per_row.mean()
+    return per_row.sum() / (mask.sum(1) > 0).sum().clamp_min(1)
 
 
 def gspo_loss(

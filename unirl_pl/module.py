@@ -166,7 +166,9 @@ class UniRLModule(pl.LightningModule):
         self.ledger = VersionLedger(list(self.card.components))
         self.ar_decode: ARDecode | None = None
         self.diffusion_denoise: DiffusionDenoise | None = None
-        self.conditioning = Conditioner(generator, self.ledger)
+        self.conditioning = Conditioner(
+            generator, self.ledger, cache_size=rollout.feature_cache_size, offload=rollout.feature_cache_offload
+        )
         self.source: ExperienceSource | None = None
         self.policy: PolicyLosses | None = None
 
@@ -265,9 +267,11 @@ class UniRLModule(pl.LightningModule):
         return self.policy.recompute(exp, self.trained)
 
     # ------------------------------------------------------------------ training
-    def _loss(self, name: str, exp: Experience) -> LossOutput | None:
+    def _loss(self, name: str, exp: Experience, weight: float = 1.0) -> LossOutput | None:
+        """Expert ``name``'s loss; the terms it backpropagates itself (the DiT's per step, the LM's per
+        micro-batch) are scaled by ``weight`` (:meth:`_token_weight`) as the returned loss would be."""
         assert self.policy is not None, "configure_model() builds the losses"
-        return self.policy.loss(name, exp, backward=self.manual_backward)
+        return self.policy.loss(name, exp, backward=lambda term: self.manual_backward(weight * term))
 
     def _check_staleness(self, exp: Experience) -> dict[str, float]:
         owners = {loop: self.card.owner(loop) for loop in exp.records}
@@ -325,13 +329,14 @@ class UniRLModule(pl.LightningModule):
         for epoch in range(self.ppo_epochs):
             for opt in opts.values():
                 opt.zero_grad(set_to_none=True)
-            outputs = {name: out for name in opts if (out := self._loss(name, exp)) is not None}
+            # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
+            weights = {name: self._token_weight(name, exp) for name in opts}
+            outputs = {name: out for name in opts if (out := self._loss(name, exp, weights[name])) is not None}
             if not outputs:
                 continue
             if epoch == 0:
                 self._report_policy_logprobs(exp, outputs)
-            # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
-            pending = [self._token_weight(n, exp) * o.loss for n, o in outputs.items() if not o.backpropagated]
+            pending = [weights[n] * o.loss for n, o in outputs.items() if not o.backpropagated]
             if pending:
                 self.manual_backward(sum(pending))
             norms = {name: self._grad_norm(name) for name in outputs}

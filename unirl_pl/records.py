@@ -7,7 +7,7 @@ plus the weight version of the expert that produced it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
@@ -53,6 +53,19 @@ class LMRecord:
     def gen_ids(self) -> Tensor:
         """The generated tokens, (R, T)."""
         return self.input_ids[:, self.prompt_len :]
+
+    def slice(self, start: int, stop: int) -> LMRecord:
+        """Rows ``[start, stop)`` of the record (views, same padding and settings): one scoring micro-batch."""
+        rows = slice(start, stop)
+        return replace(
+            self,
+            input_ids=self.input_ids[rows],
+            attention_mask=self.attention_mask[rows],
+            gen_mask=self.gen_mask[rows],
+            old_logp=self.old_logp[rows],
+            rows=self.rows[rows],
+            fell_back=self.fell_back[rows],
+        )
 
 
 @dataclass

@@ -74,10 +74,14 @@ class FeatureCache:
     generator exactly as the uninterrupted one did.
     """
 
-    def __init__(self, ledger: VersionLedger, max_entries: int = 4096, encode_batch: int = 8) -> None:
+    def __init__(
+        self, ledger: VersionLedger, max_entries: int = 4096, encode_batch: int = 8, offload: bool = False
+    ) -> None:
         self.ledger = ledger
         self.max_entries = max_entries
         self.encode_batch = encode_batch
+        self.offload = offload
+        self.device: torch.device | None = None  # where the encoder's features live (offloaded rows go back)
         self._store: OrderedDict[tuple[str, int, str], dict[str, Tensor]] = OrderedDict()
         self.hits = 0
         self.lookups = 0
@@ -98,14 +102,18 @@ class FeatureCache:
         for start in range(0, len(missing), size):
             chunk = missing[start : start + size]
             feats = compute(chunk + [chunk[-1]] * (size - len(chunk)))
+            self.device = next(iter(feats.values())).device
             for i, text in enumerate(chunk):
-                self._store[(component, version, text)] = {name: f[i].detach() for name, f in feats.items()}
+                # clone(): a kept row must not hold its whole encode batch alive through a view.
+                row = {name: f[i].detach().clone() for name, f in feats.items()}
+                self._store[(component, version, text)] = {n: t.cpu() for n, t in row.items()} if self.offload else row
         for k in keys:
             self._store.move_to_end(k)
         out = [self._store[k] for k in keys]
         while len(self._store) > self.max_entries:
             self._store.popitem(last=False)
-        return {name: torch.stack([row[name] for row in out]) for name in out[0]}
+        stacked = {name: torch.stack([row[name] for row in out]) for name in out[0]}
+        return {name: t.to(self.device) for name, t in stacked.items()} if self.offload else stacked
 
     def hit_rate(self, reset: bool = True) -> float:
         """Hits / lookups since the last reset (0 when nothing was looked up)."""

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from unirl_pl.loops.config import RolloutConfig, StepPlan
+from unirl_pl.distributed import token_loss_weight
+from unirl_pl.loops.config import RolloutConfig, StepPlan, chunk_bounds
 from unirl_pl.losses import LossOutput
+from unirl_pl.method.grpo import add_part, weighted_loss
 from unirl_pl.records import Experience
 
 Reference = Callable[[], AbstractContextManager[None]]
@@ -147,9 +150,62 @@ class GeneratorAlgorithm(Algorithm):
 
 
 class RefinerAlgorithm(Algorithm):
-    """An algorithm of the prompt refiner (the ``ar_decode`` loop): the gate compares per-token log-probs."""
+    """An algorithm of the prompt refiner (the ``ar_decode`` loop): the gate compares per-token log-probs.
+
+    Subclasses implement :meth:`chunk_loss` (the loss of some refinements, a mean over their aggregation
+    units) and :meth:`units`; :meth:`loss` runs it over ``rollout.lm_micro_batch_size`` refinements at a time
+    and, with ``backward``, backpropagates each chunk before the next is built: only one chunk's logits and
+    graph are alive, and none is left when the generator's update starts.
+    """
 
     position = "token"
+
+    def units(self, record: Any) -> Tensor:
+        """The loss's aggregation units per row, as a mask whose sum counts them: (R, T) real tokens for a
+        token mean, (R,) refinements with a real token for a mean over refinements."""
+        return record.gen_mask
+
+    def chunk_loss(
+        self,
+        loop: Any,
+        record: Any,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        anchor: Tensor | None = None,
+    ) -> LossOutput:
+        """The loss of the rows of ``record`` (its mean over their :meth:`units`), with ``logp`` set to the
+        detached recomputed token log-probs."""
+        raise NotImplementedError
+
+    def loss(
+        self,
+        loop: Any,
+        record: Any,
+        advantages: Tensor,
+        settings: Any,
+        reference: Reference,
+        *,
+        backward: Backward | None = None,
+        anchor: Tensor | None = None,
+    ) -> LossOutput:
+        size = loop.config.lm_micro_batch_size
+        if size is None:  # one forward; the caller backpropagates the returned loss
+            return self.chunk_loss(loop, record, advantages, settings, reference, anchor)
+        bounds = chunk_bounds(record.input_ids.shape[0], size)
+        per_row = self.units(record).reshape(record.input_ids.shape[0], -1).sum(1).double()
+        total = float(per_row.sum().clamp_min(1))
+        parts: list[tuple[float, LossOutput]] = []
+        for a, b in bounds:
+            sub = None if anchor is None else anchor[a:b]
+            out = self.chunk_loss(loop, record.slice(a, b), advantages[a:b], settings, reference, sub)
+            add_part(parts, float(per_row[a:b].sum()) / total, out, backward)
+        logp = torch.cat([out.logp for _, out in parts])
+        return replace(weighted_loss(parts, backpropagated=backward is not None), logp=logp)
+
+    def loss_weight(self, record: Any, strategy: Any) -> float:
+        # The ranks' averaged gradient is the global mean over the aggregated units.
+        return token_loss_weight(self.units(record), strategy)
 
     def gate_values(self, loop: Any, record: Any, out: LossOutput | None) -> GateValues:
         """The recomputed and recorded log-prob of every generated token, masked to the real ones."""

@@ -13,8 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-from unirl_pl.algorithms.base import Backward, Reference, RefinerAlgorithm
-from unirl_pl.distributed import token_loss_weight
+from unirl_pl.algorithms.base import Reference, RefinerAlgorithm
 from unirl_pl.losses import LossOutput, gspo_loss
 from unirl_pl.method import grpo
 from unirl_pl.method.grpo import anchor_and_weights
@@ -35,15 +34,13 @@ class GSPO(RefinerAlgorithm):
             raise ValueError(f"clip ranges must be > 0, got {clip_eps_low} and {clip_eps_high}")
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
 
-    def loss(
+    def chunk_loss(
         self,
         loop: Any,
         record: LMRecord,
         advantages: Tensor,
         settings: Any,
         reference: Reference,
-        *,
-        backward: Backward | None = None,
         anchor: Tensor | None = None,
     ) -> LossOutput:
         logp, ref = grpo.score_with_reference(loop, record, settings, reference)
@@ -61,7 +58,6 @@ class GSPO(RefinerAlgorithm):
         )
         return replace(out, logp=logp.detach())
 
-    def loss_weight(self, record: LMRecord, strategy: Any) -> float:
-        # The policy term averages refinements: the ranks' mean gradient is the global one when each rank's
-        # loss is weighted by its share of the refinements.
-        return token_loss_weight(record.gen_mask.any(1), strategy)
+    def units(self, record: LMRecord) -> Tensor:
+        # The policy term averages refinements (those with a real token).
+        return record.gen_mask.any(1)

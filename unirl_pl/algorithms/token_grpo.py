@@ -14,8 +14,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from unirl_pl.algorithms.base import Backward, Reference, RefinerAlgorithm
-from unirl_pl.distributed import token_loss_weight
+from unirl_pl.algorithms.base import Reference, RefinerAlgorithm
 from unirl_pl.losses import LossOutput, refiner_token_loss
 from unirl_pl.method import grpo
 from unirl_pl.method.grpo import anchor_and_weights
@@ -47,15 +46,13 @@ class TokenGRPO(RefinerAlgorithm):
         """Whether this is the project's original loss (symmetric clip, token mean)."""
         return self.clip_eps_high is None and self.aggregation == "token_mean"
 
-    def loss(
+    def chunk_loss(
         self,
         loop: Any,
         record: LMRecord,
         advantages: Tensor,
         settings: Any,
         reference: Reference,
-        *,
-        backward: Backward | None = None,
         anchor: Tensor | None = None,
     ) -> LossOutput:
         if self.plain:
@@ -76,10 +73,8 @@ class TokenGRPO(RefinerAlgorithm):
         )
         return replace(out, logp=logp.detach())
 
-    def loss_weight(self, record: LMRecord, strategy: Any) -> float:
-        # The ranks' averaged gradient is the global mean over the aggregated units (tokens or refinements).
-        units = record.gen_mask if self.aggregation == "token_mean" else record.gen_mask.any(1)
-        return token_loss_weight(units, strategy)
+    def units(self, record: LMRecord) -> Tensor:
+        return record.gen_mask if self.aggregation == "token_mean" else record.gen_mask.any(1)
 
 
 class DAPO(TokenGRPO):

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from unirl_pl.distributed import agree_max
-from unirl_pl.loops.config import Profile, RolloutConfig
+from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
 from unirl_pl.records import LMRecord
 from unirl_pl.seeding import STREAM_LM, gumbel_argmax, sample_keys
 
@@ -125,7 +125,18 @@ class ARDecode:
         return texts, record
 
     def score(self, record: LMRecord) -> Tensor:
-        """Teacher-forced log-probs of the recorded tokens under the current weights, (R, T), zero where masked."""
+        """Teacher-forced log-probs of the recorded tokens under the current weights, (R, T), zero where masked.
+
+        Without grad (the gates' recompute, the reference) it runs ``config.lm_micro_batch_size`` rows per
+        forward, so only one chunk's logits exist at a time; with grad the caller chunks (the loss backpropagates
+        each chunk before building the next).
+        """
+        bounds = chunk_bounds(record.input_ids.shape[0], self.config.lm_micro_batch_size)
+        if len(bounds) > 1 and not torch.is_grad_enabled():
+            return torch.cat([self._score(record.slice(a, b)) for a, b in bounds])
+        return self._score(record)
+
+    def _score(self, record: LMRecord) -> Tensor:
         mask = record.attention_mask
         out = self.llm(input_ids=record.input_ids, attention_mask=mask, position_ids=positions(mask))
         p = record.prompt_len

@@ -28,6 +28,16 @@ class RolloutConfig:
         sde_window: ``[start, end)`` step indices run as SDE and trained; ODE elsewhere.
         micro_batch_size: Images per DiT forward in rollout and in the recompute (None: all at once).
             Both use the same chunks, which keeps batch-variant kernels from breaking the log-prob identity.
+        lm_micro_batch_size: Refinements per refiner forward when the trainer scores them (the loss, with a
+            backward per chunk, and the gates' recompute; None: all at once). The logits of a real
+            vocabulary dominate the refiner's memory (rows x tokens x ~152k floats), so real-size recipes set
+            it; the loss is the same up to float rounding (each chunk is weighted by its share of the
+            aggregation units: tokens, or refinements for the sequence-level aggregations).
+        feature_cache_size: Texts whose text-encoder features the conditioning cache keeps (least recently
+            used leave first; a group's K samples of one prompt, and the next steps' repeats, encode once).
+        feature_cache_offload: Keep the cached features in host memory and copy a step's rows to the device
+            when used: a real text encoder's features are megabytes per text (T5-XXL: 333 x 4096 floats),
+            so a full cache on the GPU costs tens of GiB.
         guidance_scale: Classifier-free guidance scale (1.0 disables it; >1 also runs an empty prompt).
         shared_start_noise: Every sample of a request starts from the initial noise of the request's
             sample 0 (the SDE steps still draw their own noise). The start is not an action of either
@@ -44,6 +54,9 @@ class RolloutConfig:
     noise_level: float = 0.7
     sde_window: tuple[int, int] = (0, 3)
     micro_batch_size: int | None = None
+    lm_micro_batch_size: int | None = None
+    feature_cache_size: int = 4096
+    feature_cache_offload: bool = False
     guidance_scale: float = 1.0
     shared_start_noise: bool = False
 
@@ -61,6 +74,10 @@ class RolloutConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1 or null, got {self.micro_batch_size}")
+        if self.lm_micro_batch_size is not None and self.lm_micro_batch_size < 1:
+            raise ValueError(f"lm_micro_batch_size must be >= 1 or null, got {self.lm_micro_batch_size}")
+        if self.feature_cache_size < 1:
+            raise ValueError(f"feature_cache_size must be >= 1, got {self.feature_cache_size}")
         if self.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
         if self.shift is not None and self.shift <= 0:

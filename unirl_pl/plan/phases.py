@@ -165,13 +165,19 @@ def dit_update(
 
 
 def lm_loss_forward(
-    algorithm: Any, loop: ARDecode, record: LMRecord, settings: ExpertLoss, reference: Callable
+    algorithm: Any,
+    loop: ARDecode,
+    record: LMRecord,
+    settings: ExpertLoss,
+    reference: Callable,
+    backward: Callable[[Tensor], None],
 ) -> LossOutput:
     """The refiner's loss through the recipe's refiner algorithm (token GRPO's ``grpo.lm_loss`` by
-    default); its graph is kept for the backward."""
+    default). With ``rollout.lm_micro_batch_size`` each chunk is backpropagated through ``backward`` as it is
+    built; without, the graph of the whole batch is kept for the backward (``backpropagated`` is False)."""
     advantages = torch.zeros(record.old_logp.shape[0])
     algorithm.check_settings(settings)
-    return algorithm.loss(loop, record, advantages, settings, reference, anchor=None)
+    return algorithm.loss(loop, record, advantages, settings, reference, backward=backward, anchor=None)
 
 
 def vae_decode(generator: torch.nn.Module, latents: Tensor) -> Tensor:

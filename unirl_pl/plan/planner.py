@@ -63,7 +63,9 @@ class Plan:
         recipe_setting: The recipe's own (micro_batch, checkpointing).
         candidates: Every traced (micro_batch, checkpointing) setting.
         largest: Per checkpointing setting, the largest micro-batch that fits (None: none fits).
-        held_lm_graph: Bytes of the refiner's loss graph held through the DiT update (joint mode).
+        held_lm_graph: Bytes the refiner's loss leaves held through the DiT update (joint mode): its whole
+            graph, or only its gradients when it is backpropagated per micro-batch.
+        lm_micro_batch: The recipe's ``rollout.lm_micro_batch_size`` (None: the refiner's loss in one batch).
         notes: What the trace approximates or assumes.
         seconds: Wall time of the whole plan.
     """
@@ -78,6 +80,7 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     largest: dict[bool, int | None] = field(default_factory=dict)
     held_lm_graph: int = 0
+    lm_micro_batch: int | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -217,11 +220,13 @@ def plan_step(
             **({"llm": config_summary(experts.llm_folder)} if experts.llm_folder else {}),
         },
         recipe_setting=(recipe_mb, recipe.gradient_checkpointing),
+        lm_micro_batch=recipe.rollout.lm_micro_batch_size,
     )
     result.notes += [
         f"refiner requests of {prompt_tokens} prompt tokens (--prompt-tokens) and {sizes.new_tokens} generated "
         "tokens, none stopping early; the decode's middle steps extend the KV cache in one forward",
-        f"the feature cache full: {sizes.cache_entries} texts' features on the device (FeatureCache's default)",
+        f"the feature cache full: {sizes.cache_entries} texts' features on the device"
+        + (" (rollout.feature_cache_offload keeps them in host memory)" if not sizes.cache_entries else ""),
         "fake CPU tensors: attention has its flash kernel's memory; the CUDA context, cuBLAS/NCCL workspaces and "
         "allocator fragmentation hold no tensor and are what --reserve-gb sets aside",
     ]

@@ -86,10 +86,15 @@ def verdict_lines(plan: Plan) -> list[str]:
     if over:
         listed = ", ".join(f"{n} {amount(own.phases[n].total, plan)}" for n in over)
         lines.append(f"over budget at the recipe setting ({u}): {listed}")
-    if plan.held_lm_graph:
+    if plan.held_lm_graph and plan.lm_micro_batch is None:
         lines.append(
             f"dit_update includes the refiner's loss graph, {amount(plan.held_lm_graph, plan)} {u}: training_step runs "
-            "the refiner's backward after the DiT's updates"
+            "the refiner's backward after the DiT's updates (rollout.lm_micro_batch_size backpropagates it first)"
+        )
+    elif plan.held_lm_graph:
+        lines.append(
+            f"dit_update holds the refiner's gradients, {amount(plan.held_lm_graph, plan)} {u}: its loss was "
+            f"backpropagated {plan.lm_micro_batch} refinements at a time before the DiT's updates"
         )
     for checkpointing in (False, True):
         if checkpointing not in plan.largest:

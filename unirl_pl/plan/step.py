@@ -66,12 +66,14 @@ class StepSizes:
 
 
 def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSizes:
-    """The per-rank sizes of ``recipe``'s step; the feature cache's batch and capacity are its defaults."""
+    """The per-rank sizes of ``recipe``'s step; the feature cache's batch is its default."""
     prompts = recipe.prompts_per_step // recipe.devices
     layout = recipe.layout
     texts = prompts * layout.samples_per_prompt
     start, end = recipe.rollout.sde_window
     cache = FeatureCache(VersionLedger(["text_encoder"]))
+    # An offloaded cache holds nothing on the device between uses (a step's rows are the ``cond`` part).
+    entries = 0 if recipe.rollout.feature_cache_offload else recipe.rollout.feature_cache_size
     return StepSizes(
         prompts=prompts,
         texts=texts,
@@ -81,7 +83,7 @@ def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSiz
         prompt_tokens=prompt_tokens,
         new_tokens=recipe.rollout.max_new_tokens,
         encode_batch=cache.encode_batch,
-        cache_entries=cache.max_entries,
+        cache_entries=entries,
     )
 
 
@@ -183,10 +185,12 @@ def train_step(
     tracker: PlanMemTracker,
     held_graph: int | None = None,
 ) -> int:
-    """``UniRLModule.training_step``'s order: clear the gradients, the refiner's loss forward (its graph
-    kept), the DiT's per-(step, micro-batch) updates, the refiner's backward, clipping and optimizer
-    steps. Marks ``dit_update`` (the DiT's part, the refiner's graph held) and ``lm_update`` (the rest);
-    returns the bytes the refiner's graph holds while the DiT updates.
+    """``UniRLModule.training_step``'s order: clear the gradients, the refiner's loss forward (backpropagated
+    per micro-batch with ``rollout.lm_micro_batch_size``, else its graph kept), the DiT's per-(step,
+    micro-batch) updates, the refiner's backward when it was kept, clipping and optimizer steps. Marks
+    ``dit_update`` (the DiT's part, with what the refiner left: its graph, or its gradients when it was
+    backpropagated per micro-batch) and ``lm_update`` (the rest); returns the bytes the refiner's part holds
+    while the DiT updates.
 
     The refiner's part does not depend on the DiT's micro-batch: with ``held_graph`` (its bytes, traced
     before) a buffer of that size stands in for its graph during the DiT's update and the refiner's
@@ -200,7 +204,7 @@ def train_step(
         names = ("lm.ids", "lm.mask", "lm.gen_mask", "lm.old_logp")
         record = phases.lm_record(*(resident[n] for n in names))
         lm_out = phases.lm_loss_forward(
-            recipe.llm_algorithm, loop, record, recipe.llm_loss, experts.llm.adapter_disabled
+            recipe.llm_algorithm, loop, record, recipe.llm_loss, experts.llm.adapter_disabled, _backward
         )
     elif lm_trained and held_graph:
         stand_in = torch.empty(held_graph, dtype=torch.uint8)
@@ -211,7 +215,7 @@ def train_step(
         reference = experts.generator.adapter_disabled
         phases.dit_update(recipe.generator_algorithm, loop, record, recipe.transformer_loss, reference, _backward)
         tracker.mark("dit_update")
-    if lm_out is not None:
+    if lm_out is not None and not lm_out.backpropagated:
         lm_out.loss.backward()
     del stand_in
     for optimizer, settings in zip(tracer.optimizers, tracer.losses, strict=True):
