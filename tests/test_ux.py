@@ -219,10 +219,32 @@ def test_config_error_is_one_short_message_and_exit_2(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("option", "hint"),
+    [
+        (
+            "--model.generator.init_args.lora_rank=4",
+            "'lora_rank' is accepted at: --model.llm.init_args.lora_rank, "
+            "--model.generator.init_args.transformer.init_args.lora_rank",
+        ),
+        ("--model.num_steps=3", "'num_steps' is accepted at: --model.rollout.num_steps"),
+        ("--data.prompts_per_stepp=3", "did you mean: --data.prompts_per_step"),
+    ],
+    ids=["nested-too-shallow", "dataclass-field", "misspelled"],
+)
+def test_a_misplaced_option_is_told_where_it_lives(capsys, option, hint):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", JOINT, option])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2
+    assert lines[1] == hint, lines
+    assert lines[2] == "The options: python -m unirl_pl fit --help"
+
+
+@pytest.mark.parametrize(
     ("args", "message"),
     [
         (["--model.mode=bogus"], "error: model.mode: Expected a typing.Literal"),
-        (["--data.prompts_per_stepp=3"], "error: data: Option 'prompts_per_stepp' is not accepted"),
+        (["--data.qqq=3"], "error: data: Option 'qqq' is not accepted"),
         (["--model.llm.init_args.pretrained_path=/nope"], "error: model.llm.pretrained_path: '/nope' does not exist"),
         (["--data.prompts=/nope.jsonl"], "error: data.prompts: '/nope.jsonl' does not exist"),
     ],

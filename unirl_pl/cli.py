@@ -40,6 +40,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from unirl_pl.checkpoint import AtomicCheckpointIO
 from unirl_pl.commands import PROG, run_before_lightning
 from unirl_pl.errors import InputError
+from unirl_pl.option_hints import option_homes, refused_option
 from unirl_pl.paths import resolve_inputs, search_roots
 from unirl_pl.threads import set_threads
 
@@ -247,7 +248,11 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     except ConfigError as err:
         given = sys.argv[1:] if args is None else args
         subcommand = next((f" {a}" for a in given if a in UniRLCLI.subcommands()), "")
-        print(f"error: {err}\nThe options: {PROG}{subcommand} --help", file=sys.stderr)
+        name = refused_option(str(err))
+        homes = option_homes(given, name) if name else []
+        exact = all(h.rsplit(".", 1)[-1] == name for h in homes)
+        where = f"\n{f'{name!r} is accepted at' if exact else 'did you mean'}: {', '.join(homes)}" if homes else ""
+        print(f"error: {err}{where}\nThe options: {PROG}{subcommand} --help", file=sys.stderr)
         raise SystemExit(2) from None
     except InputError as err:
         if not friendly:
