@@ -44,6 +44,7 @@ class Algorithm:
 
     position = "position"
     likelihood = True
+    phase = "loss"  # the unirl_pl.timing phase its loss is reported as (the bench's lm_loss / dit_loss rows)
 
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
         """Called once the expert is built and its loop exists; ``trained`` says whether the mode updates it.
@@ -112,6 +113,7 @@ class GeneratorAlgorithm(Algorithm):
     """
 
     position = "SDE step"
+    phase = "dit_loss"
 
     def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
         """The stochastic steps of one rollout of these samples."""
@@ -159,6 +161,7 @@ class RefinerAlgorithm(Algorithm):
     """
 
     position = "token"
+    phase = "lm_loss"
 
     def units(self, record: Any) -> Tensor:
         """The loss's aggregation units per row, as a mask whose sum counts them: (R, T) real tokens for a
