@@ -94,6 +94,15 @@ def test_cli_uses_atomic_io(tmp_path):
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory) -> Path:
+    """The checkpoint every changed-identity resume starts from (one run shared by the cases)."""
+    root = tmp_path_factory.mktemp("identity")
+    ckpts = root / "ckpts"
+    run_cli(root, f"--trainer.max_steps={N}", *FAST, *_ckpt_callback(ckpts).split(), name="first")
+    return ckpts / f"epoch=0-step={N}.ckpt"
+
+
 @pytest.mark.parametrize(
     "change, key",
     [
@@ -105,10 +114,8 @@ def test_cli_uses_atomic_io(tmp_path):
     ],
     ids=["mode", "lora_alpha", "lr", "optimizer_class", "seed"],
 )
-def test_resume_with_a_changed_run_identity_is_refused(tmp_path, change, key):
-    ckpts = tmp_path / "ckpts"
-    run_cli(tmp_path, f"--trainer.max_steps={N}", *FAST, *_ckpt_callback(ckpts).split(), name="first")
-    ckpt = ckpts / f"epoch=0-step={N}.ckpt"
+def test_resume_with_a_changed_run_identity_is_refused(first_run, tmp_path, change, key):
+    ckpt = first_run
     with pytest.raises(ValueError, match=rf"(?s)Changed settings:.*{key}[^\n]*: checkpoint=.* now=") as err:
         run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, change, f"--ckpt_path={ckpt}", name="second")
     assert "resume" in str(err.value).lower() or "checkpoint" in str(err.value).lower()
