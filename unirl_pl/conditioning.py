@@ -7,6 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
+from unirl_pl import timing
 from unirl_pl.records import Cond
 from unirl_pl.versioning import FeatureCache, VersionLedger
 
@@ -33,6 +34,7 @@ class Conditioner:
         self.generator, self.component = generator, component
         self.cache = FeatureCache(ledger, max_entries=cache_size, offload=offload)
 
+    @timing.timed("text_encode")
     def encode(self, texts: list[str]) -> Cond:
         """Features of ``texts``: each distinct text is encoded once per text-encoder version."""
         return self.cache.get_or_compute(self.component, texts, self.generator.encode)
@@ -41,6 +43,7 @@ class Conditioner:
         """The empty prompt's features (one row) when guidance is on, else None."""
         return self.encode([""]) if guided else None
 
+    @timing.timed("image_decode")
     def decode(self, latents: Tensor) -> Tensor:
         """Pixels in [0, 1]: images (N, 3, H, W) or videos (N, F, 3, H, W)."""
         return self.generator.decode(latents)

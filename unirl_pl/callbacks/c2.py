@@ -30,6 +30,7 @@ from typing import Literal
 import lightning.pytorch as pl
 import torch
 
+from unirl_pl import timing
 from unirl_pl.callbacks.protocol import RecomputingModule, require
 from unirl_pl.losses import k3_kl, rollout_correction_stats
 from unirl_pl.metrics import rollout_correction_metrics
@@ -143,6 +144,7 @@ class LogProbIdentityCheck(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require(self, pl_module, RecomputingModule)
 
+    @timing.timed("gate_c2", opaque=True)
     def on_policy_logprobs(
         self,
         trainer: pl.Trainer,

@@ -7,6 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from unirl_pl import timing
 from unirl_pl.callbacks.protocol import VersionedModule, require
 
 
@@ -25,6 +26,7 @@ class WeightVersionLedger(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         require(self, pl_module, VersionedModule)
 
+    @timing.timed("gate_ledger", opaque=True)
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

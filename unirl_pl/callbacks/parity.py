@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
+from unirl_pl import timing
 from unirl_pl.callbacks.protocol import SamplingModule, require
 from unirl_pl.records import cond_rows
 
@@ -157,6 +158,7 @@ class InterleaveParityCheck(pl.Callback):
             logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------ the check
+    @timing.timed("gate_parity", opaque=True)
     @torch.no_grad()
     def check(self, pl_module: pl.LightningModule, step: int = 0) -> ParityReport:
         """Probe batched vs serial in every profile; raise (or warn) on a divergence or an empty probe."""

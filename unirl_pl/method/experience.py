@@ -15,6 +15,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
+from unirl_pl import timing
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.experts.chat import fallback_fraction
@@ -60,7 +61,7 @@ class ExperienceSource:
 
     def __post_init__(self) -> None:
         # Remote reward terms are scored while the rest of the batch decodes (rewards/overlap.py). Read
-        # once here, from the WeightedSum itself: tools may later wrap ``self.reward`` in a timer.
+        # once here, from the WeightedSum itself.
         names, self._chunk = remote_terms(getattr(self.reward, "terms", {}))
         self._remote = {name: partial(self.reward.score_term, name) for name in names}
         self._normalizes = getattr(self.reward, "normalize", "none") == "group"
@@ -77,7 +78,8 @@ class ExperienceSource:
         else:
             images = self.conditioning.decode(latents)
         # Only what is needed goes as keywords: any reward(prompts, refined, images) still fits here.
-        rewards, parts = self.reward(prompts, refined, images, **extra)
+        with timing.phase("reward"):
+            rewards, parts = self.reward(prompts, refined, images, **extra)
         return images, rewards, parts
 
     def _profile(self, loop: str) -> Profile:
@@ -94,20 +96,22 @@ class ExperienceSource:
         assert self.ar_decode is not None
         req = [batch.request_ids[i // k] for i in rows]
         idx = [layout.text_sample_index(p)[i] for i in rows]
-        refined_rows, record = self.ar_decode.sample(
-            [texts[i] for i in rows],
-            req,
-            idx,
-            self._profile("ar_decode"),
-            seed=batch.seed,
-            version=self.ledger[self.owners["ar_decode"]],
-        )
+        with timing.phase("decode"):
+            refined_rows, record = self.ar_decode.sample(
+                [texts[i] for i in rows],
+                req,
+                idx,
+                self._profile("ar_decode"),
+                seed=batch.seed,
+                version=self.ledger[self.owners["ar_decode"]],
+            )
         refined = list(texts)
         for i, text in zip(rows, refined_rows, strict=True):
             refined[i] = text
         record.rows = torch.as_tensor(rows, dtype=torch.long)
         return refined, rows, record
 
+    @timing.timed("rollout_glue")
     @torch.no_grad()
     def collect(self, batch: PromptBatch, device: torch.device) -> Experience:
         """Rollout for one step: refine, render, score, and compute advantages."""
@@ -117,28 +121,31 @@ class ExperienceSource:
         k = layout.samples_per_prompt
         image_texts = [refined[t] for t in img_text.tolist()]
         cond = self.conditioning.encode(image_texts)
-        latents, dit_record = self.diffusion_denoise.sample(
-            cond,
-            [batch.request_ids[t // k] for t in img_text.tolist()],
-            layout.image_sample_index(p),
-            self._profile("diffusion_denoise"),
-            seed=batch.seed,
-            version=self.ledger[self.owners["diffusion_denoise"]],
-            uncond=self.conditioning.uncond(self.diffusion_denoise.config.guided),
-        )
+        uncond = self.conditioning.uncond(self.diffusion_denoise.config.guided)
+        with timing.phase("denoise"):
+            latents, dit_record = self.diffusion_denoise.sample(
+                cond,
+                [batch.request_ids[t // k] for t in img_text.tolist()],
+                layout.image_sample_index(p),
+                self._profile("diffusion_denoise"),
+                seed=batch.seed,
+                version=self.ledger[self.owners["diffusion_denoise"]],
+                uncond=uncond,
+            )
         originals = [batch.prompts[t // k] for t in img_text.tolist()]
         groups = layout.text_prompt(p)[img_text]
         images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups)
         # Advantages come from the combined reward (group-normalized terms when the reward normalizes);
         # the logged reward stays the raw weighted sum.
-        text_rewards, text_adv, image_adv, dropped = compute_advantages(
-            getattr(parts, "combined", rewards),
-            layout,
-            p,
-            self.advantages,
-            self.batch_std,
-            drop_nonfinite=self.drop_nonfinite,
-        )
+        with timing.phase("advantages"):
+            text_rewards, text_adv, image_adv, dropped = compute_advantages(
+                getattr(parts, "combined", rewards),
+                layout,
+                p,
+                self.advantages,
+                self.batch_std,
+                drop_nonfinite=self.drop_nonfinite,
+            )
         advantages = {"diffusion_denoise": image_adv.to(device)}
         if rows:
             advantages["ar_decode"] = text_adv[rows].to(device)

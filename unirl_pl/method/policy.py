@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from unirl_pl import timing
 from unirl_pl.card import Card
 from unirl_pl.losses import LossOutput
 from unirl_pl.method.grpo import ExpertLoss, weighted_loss
@@ -65,7 +66,8 @@ class PolicyLosses:
             reference = self.experts[name].adapter_disabled
             anchor = self.anchor(loop, record)
             args = (self.loops[loop], record, exp.advantages[loop], settings, reference)
-            out = algorithm.loss(*args, backward=backward, anchor=anchor)
+            with timing.phase(getattr(algorithm, "phase", "loss")):
+                out = algorithm.loss(*args, backward=backward, anchor=anchor)
             if settings.rollout_correction != "off" and anchor is None and out.logp is not None:
                 self._anchors[loop] = (weakref.ref(record), out.logp)
             outputs.append(out)
