@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
 from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
@@ -273,10 +274,14 @@ class UniRLModule(pl.LightningModule):
         assert self.policy is not None, "configure_model() builds the losses"
         return self.policy.loss(name, exp, backward=lambda term: self.manual_backward(weight * term))
 
+    # Lightning's backward, reported as the ``backward`` phase (:mod:`unirl_pl.timing`).
+    manual_backward = timing.timed("backward")(pl.LightningModule.manual_backward)
+
     def _check_staleness(self, exp: Experience) -> dict[str, float]:
         owners = {loop: self.card.owner(loop) for loop in exp.records}
         return check_staleness(exp.records, owners, self.ledger, self.on_stale)
 
+    @timing.timed("optimizer")
     def _grad_norm(self, name: str) -> Tensor:
         grads = [p.grad for p in self.experts()[name].parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
@@ -284,6 +289,7 @@ class UniRLModule(pl.LightningModule):
             norm = norm.full_tensor()
         return norm.detach()
 
+    @timing.timed("optimizer")
     def _step(self, name: str, opt: Any, counts_as_global_step: bool) -> None:
         clip = self.losses[name].grad_clip
         if clip is not None:
@@ -319,6 +325,7 @@ class UniRLModule(pl.LightningModule):
         # Lightning's wrapper keeps max_steps, the prompt stream and the gates counting RL steps.
         next(iter(opts.values())).step()
 
+    @timing.timed("train_glue")
     def training_step(self, exp: Experience, batch_idx: int) -> None:
         step = self.trainer.global_step  # the row of this RL step in metrics.csv, as the gates log it
         staleness = self._check_staleness(exp)
@@ -358,15 +365,16 @@ class UniRLModule(pl.LightningModule):
         records = self.policy.rollout_metrics(exp)
         metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), records))
         metrics["train/skipped_steps"] = float(self.skipped_steps)
-        log_step(self.trainer, metrics, step, self.device)
-        self.log(
-            "reward/mean",
-            exp.rewards.nanmean(),
-            prog_bar=True,
-            on_step=True,
-            batch_size=len(exp.prompts),
-            sync_dist=True,
-        )
+        with timing.phase("logging"):
+            log_step(self.trainer, metrics, step, self.device)
+            self.log(
+                "reward/mean",
+                exp.rewards.nanmean(),
+                prog_bar=True,
+                on_step=True,
+                batch_size=len(exp.prompts),
+                sync_dist=True,
+            )
 
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
         """Hand the first training forward's log-probs (weights not yet stepped) to the gates that check them:
