@@ -297,3 +297,12 @@ def test_threads_default_to_one_unless_set(monkeypatch):
     assert child == {"OMP_NUM_THREADS": "1"} and calls == [1]
     set_threads(4)  # a recipe's own count
     assert calls == [1, 4]
+
+
+def test_class_help_is_named_as_the_user_runs_it(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--model.help", "unirl_pl.module.UniRLModule"])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m unirl_pl "), out[:200]
+    assert "__main__" not in out and "--model.rollout" in out

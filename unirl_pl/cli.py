@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from unirl_pl.checkpoint import AtomicCheckpointIO
@@ -106,6 +106,16 @@ def fsdp1_refusal(strategy: Any) -> str | None:
             "(see recipes/fsdp.yaml)."
         )
     return None
+
+
+class UniRLParser(LightningArgumentParser):
+    """LightningCLI's parser named as the user runs it: jsonargparse builds the parser of a ``--model.help``
+    answer as ``type(parser)(...)`` without a ``prog``, which argparse would take from ``sys.argv[0]``
+    (``__main__.py``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("prog", PROG)
+        super().__init__(*args, **kwargs)
 
 
 class UniRLCLI(LightningCLI):
@@ -239,6 +249,7 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
             subclass_mode_model=True,
             subclass_mode_data=True,
             auto_configure_optimizers=False,
+            parser_class=UniRLParser,
             save_config_kwargs={"overwrite": True},
             parser_kwargs=parser_kwargs,
             args=args,
