@@ -336,12 +336,20 @@ def test_execute_records_the_child_cpu_seconds(tmp_path):
     assert run.cpu_seconds < reported + 5, "only this child's time"
 
 
+def test_jobs_must_be_positive(tmp_path, capsys):
+    from unirl_pl.ablate import main as ablate_main
+
+    assert ablate_main(["--config", str(ROOT / "recipes" / "joint.yaml"), "--jobs", "0", "--out", str(tmp_path)]) == 2
+    assert "--jobs must be >= 1" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- end to end
 @pytest.mark.integration
 def test_quick_ablation_writes_table_csv_plot_and_paired_report(tmp_path):
     modes = ("joint", "prompt_only")
     start = time.perf_counter()
-    proc = _ablate(tmp_path, "--quick", "--seeds", "0", "1", "--modes", *modes)
+    # Two runs side by side (--jobs 2): each run's CPU seconds are its own child's (wait4), not the pair's.
+    proc = _ablate(tmp_path, "--quick", "--seeds", "0", "1", "--modes", *modes, "--jobs", "2")
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "abl"

@@ -14,8 +14,11 @@ import math
 import os
 import re
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from unirl_pl.ablate.arms import Arm, build_arms, parse_vary
 from unirl_pl.ablate.paired import write_paired
@@ -87,6 +90,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default="runs/ablation", help="output folder (default: runs/ablation)")
     parser.add_argument("--quick", action="store_true", help="smoke setting: 2 steps, tiny batches (seconds a run)")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failed run")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs side by side, one thread each (default: 1; up to the number of cores); results do not change",
+    )
     parser.add_argument(
         "--val-name", default="composition", help="name of the recipe's own validation split (default: composition)"
     )
@@ -207,39 +216,64 @@ def _progress(console):
     return Progress(*columns, console=console, speed_estimate_period=24 * 3600)
 
 
-def run_all(the_plan: Plan, env: dict[str, str], console, fail_fast: bool, on_done) -> list[Run]:
-    """Run the plan in order, printing each result and calling ``on_done()`` after each run; the failed runs."""
+def run_all(the_plan: Plan, env: dict[str, str], console, fail_fast: bool, on_done, jobs: int = 1) -> list[Run]:
+    """Run the plan, ``jobs`` runs at a time (each followed by its extra-split scoring), printing each result
+    and calling ``on_done()`` after each run; the failed runs."""
     failed: list[Run] = []
+    lock = threading.Lock()
+    stop = threading.Event()
     total = sum(1 + len(v) for v in the_plan.splits.values())
     with _progress(console) as progress:
         task = progress.add_task("ablation", total=total, current="")
-        for run in the_plan.runs:
-            progress.update(task, current=f"running [cyan]{run.name}[/]")
+        running: list[str] = []
+
+        def show() -> None:
+            progress.update(task, current=", ".join(f"running [cyan]{name}[/]" for name in running))
+
+        def one(run: Run) -> None:
+            if stop.is_set():
+                return
+            with lock:
+                running.append(run.name)
+                show()
             execute(run, env)
-            if run.ok:
-                score = {k.split("/", 1)[1]: v for k, v in run.final.items()}
-                progress.console.print(
-                    f"[green]done[/] {run.name}: {run.seconds:.0f} s ({run.cpu_seconds:.0f} CPU s), held-out strict "
-                    f"{score.get('strict/overall', math.nan):.3f} / soft {score.get('soft/overall', math.nan):.3f}"
-                )
-            else:
-                failed.append(run)
-                why = f"exit {run.returncode}" if run.returncode else "no held-out metrics in its metrics.csv"
-                progress.console.print(f"[red]FAILED[/] {run.name} ({why}); stderr: {run.log_err}")
-            progress.advance(task)
+            with lock:
+                report(progress, run, failed)
+                progress.advance(task)
             for split_run in the_plan.splits[run.name] if run.ok else ():
-                progress.update(task, current=f"scoring [cyan]{split_run.name}[/]")
                 execute(split_run, env)
                 split_run.final_step = run.final_step
-                if not split_run.ok:
-                    failed.append(split_run)
-                    progress.console.print(f"[red]FAILED[/] {split_run.name}; stderr: {split_run.log_err}")
-                progress.advance(task)
-            on_done()
-            if failed and fail_fast:
-                break
+                with lock:
+                    if not split_run.ok:
+                        failed.append(split_run)
+                        progress.console.print(f"[red]FAILED[/] {split_run.name}; stderr: {split_run.log_err}")
+                    progress.advance(task)
+            with lock:
+                running.remove(run.name)
+                show()
+                on_done()
+                if failed and fail_fast:
+                    stop.set()
+
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for future in [pool.submit(one, run) for run in the_plan.runs]:
+                future.result()
         progress.update(task, current="")
     return failed
+
+
+def report(progress: Any, run: Run, failed: list[Run]) -> None:
+    """Print one finished run's result (or failure)."""
+    if run.ok:
+        score = {k.split("/", 1)[1]: v for k, v in run.final.items()}
+        progress.console.print(
+            f"[green]done[/] {run.name}: {run.seconds:.0f} s ({run.cpu_seconds:.0f} CPU s), held-out strict "
+            f"{score.get('strict/overall', math.nan):.3f} / soft {score.get('soft/overall', math.nan):.3f}"
+        )
+    else:
+        failed.append(run)
+        why = f"exit {run.returncode}" if run.returncode else "no held-out metrics in its metrics.csv"
+        progress.console.print(f"[red]FAILED[/] {run.name} ({why}); stderr: {run.log_err}")
 
 
 def report_failures(failed: list[Run]) -> None:
@@ -261,6 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     args, extra = parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.jobs < 1:
+        print(f"{PROG}: --jobs must be >= 1, got {args.jobs}", file=sys.stderr)
+        return 2
     out = Path(args.out).resolve()
     checkpoint = last_callback_is_checkpoint(Path(args.config))
     if not checkpoint and args.extra_val and any(m not in BASE_MODES for m in args.modes):
@@ -285,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(out, the_plan, meta, args.val_name)
 
     try:
-        failed = run_all(the_plan, env, console, args.fail_fast, rewrite)
+        failed = run_all(the_plan, env, console, args.fail_fast, rewrite, args.jobs)
     except KeyboardInterrupt:
         rewrite()
         console.print(f"interrupted; finished runs are in {out / 'ablation.md'}")

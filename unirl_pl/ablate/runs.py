@@ -10,7 +10,7 @@ more ``validate``: of the fit's ``last.ckpt``, or of the starting weights for a 
 from __future__ import annotations
 
 import math
-import resource
+import os
 import subprocess
 import sys
 import time
@@ -195,27 +195,24 @@ def _version_number(path: Path) -> int:
         return -1
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def execute(run: Run, env: dict[str, str]) -> None:
     """Run ``run.command``; record its wall and CPU seconds, find the logger version folder it made, read it.
 
-    The CPU time is the growth of this process's reaped-children usage across the run: runs go one at a
-    time, so it is this child's user + system time (and that of the processes it waited for).
+    The CPU time is this child's own user + system time and that of the processes it waited for (its
+    ``wait4`` usage), so runs going side by side (``--jobs``) do not count each other's.
     """
     run.log_out.parent.mkdir(parents=True, exist_ok=True)
     folder = run.save_dir / run.name
     before = _versions(folder)
-    start, cpu_start = time.perf_counter(), _children_cpu()
+    start = time.perf_counter()
     with run.log_out.open("w") as out, run.log_err.open("w") as err:
         out.write(" ".join(run.command) + "\n\n")
         out.flush()
         proc = subprocess.Popen(run.command, stdout=out, stderr=err, env=env)
         try:
-            run.returncode = proc.wait()
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = run.returncode = os.waitstatus_to_exitcode(status)
+            run.cpu_seconds = usage.ru_utime + usage.ru_stime
         except BaseException:
             proc.terminate()
             try:
@@ -225,7 +222,6 @@ def execute(run: Run, env: dict[str, str]) -> None:
                 proc.wait()
             raise
     run.seconds = time.perf_counter() - start
-    run.cpu_seconds = _children_cpu() - cpu_start
     after = _versions(folder)
     new = [p for p in after if p not in before or after[p] != before[p]]
     if new:
