@@ -268,3 +268,46 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
             "the checkpoint was written by a differently configured run; resuming would silently train "
             "something else. Changed settings:\n" + "\n".join(changed)
         )
+
+
+def save_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
+    """What a resume needs beyond Lightning's state: weight versions, skipped steps, the run identity, RNG
+    states and each algorithm's state; the frozen base weights are trimmed (``configure_model`` rebuilds
+    them, and keeping them would bloat every checkpoint)."""
+    if not all(bool(torch.isfinite(p).all()) for p in module.parameters() if p.requires_grad):
+        raise RuntimeError("refusing to write a checkpoint: a trainable weight is not finite")
+    checkpoint["unirl_versions"] = module.ledger.as_dict()
+    checkpoint["unirl_skipped_steps"] = module.skipped_steps
+    checkpoint[IDENTITY_KEY] = run_identity(module)
+    checkpoint["unirl_rng"] = rng_states()
+    checkpoint["unirl_algorithms"] = {
+        role: {"class": _qualname(alg), "state": alg.state_dict()} for role, alg in module.algorithms().items()
+    }
+    checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], module)
+
+
+def load_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
+    """Restore :func:`save_run_state`; a resume that changes what is trained, how (LoRA, optimizers, lr), the
+    seed or an algorithm is refused."""
+    if IDENTITY_KEY in checkpoint:
+        check_identity(checkpoint[IDENTITY_KEY], run_identity(module))
+    if "unirl_versions" in checkpoint:
+        module.ledger.load(checkpoint["unirl_versions"])
+    module.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))
+    if "unirl_rng" in checkpoint:
+        set_rng_states(checkpoint["unirl_rng"])
+    for role, saved in checkpoint.get("unirl_algorithms", {}).items():
+        algorithm = module.algorithms().get(role)
+        if algorithm is None:
+            continue
+        if saved["class"] != _qualname(algorithm):
+            raise ValueError(
+                f"the checkpoint was trained with model.{role}={saved['class']}, this run configures "
+                f"{_qualname(algorithm)}: resume with the same algorithm"
+            )
+        algorithm.load_state_dict(saved["state"])
+    refill_trimmed(checkpoint, module)
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"

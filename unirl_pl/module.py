@@ -24,16 +24,7 @@ from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
 from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
-from unirl_pl.checkpoint import (
-    IDENTITY_KEY,
-    TRIMMED_KEY,
-    check_identity,
-    refill_trimmed,
-    rng_states,
-    run_identity,
-    set_rng_states,
-    trim_frozen,
-)
+from unirl_pl.checkpoint import load_run_state, save_run_state
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import agree_max, shard_experts
@@ -430,43 +421,12 @@ class UniRLModule(pl.LightningModule):
         return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints
-    def _algorithms(self) -> dict[str, Any]:
+    def algorithms(self) -> dict[str, Any]:
+        """The configured algorithms by their config key (their state is saved with the checkpoint)."""
         return {"generator_algorithm": self.generator_algorithm, "llm_algorithm": self.llm_algorithm}
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if not all(bool(torch.isfinite(p).all()) for p in self.parameters() if p.requires_grad):
-            raise RuntimeError("refusing to write a checkpoint: a trainable weight is not finite")
-        checkpoint["unirl_versions"] = self.ledger.as_dict()
-        checkpoint["unirl_skipped_steps"] = self.skipped_steps
-        checkpoint[IDENTITY_KEY] = run_identity(self)
-        checkpoint["unirl_rng"] = rng_states()
-        checkpoint["unirl_algorithms"] = {
-            role: {"class": _qualname(alg), "state": alg.state_dict()} for role, alg in self._algorithms().items()
-        }
-        # Frozen base weights are rebuilt by configure_model; keeping them would bloat every checkpoint.
-        checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], self)
+        save_run_state(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if IDENTITY_KEY in checkpoint:
-            # A resume that changes what is trained, how (LoRA, optimizers, lr) or the seed is refused.
-            check_identity(checkpoint[IDENTITY_KEY], run_identity(self))
-        if "unirl_versions" in checkpoint:
-            self.ledger.load(checkpoint["unirl_versions"])
-        self.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))
-        if "unirl_rng" in checkpoint:
-            set_rng_states(checkpoint["unirl_rng"])
-        for role, saved in checkpoint.get("unirl_algorithms", {}).items():
-            algorithm = self._algorithms().get(role)
-            if algorithm is None:
-                continue
-            if saved["class"] != _qualname(algorithm):
-                raise ValueError(
-                    f"the checkpoint was trained with model.{role}={saved['class']}, this run configures "
-                    f"{_qualname(algorithm)}: resume with the same algorithm"
-                )
-            algorithm.load_state_dict(saved["state"])
-        refill_trimmed(checkpoint, self)
-
-
-def _qualname(obj: object) -> str:
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+        load_run_state(self, checkpoint)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from unirl_pl.generators.base import Cond, FlowGenerator, read_model_index
+from unirl_pl.generators.base import Cond, FlowGenerator
 from unirl_pl.generators.components import ComponentGenerator, pixels_to_images
 from unirl_pl.generators.flux import FluxGenerator
+from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.sd3 import SD3Generator
 from unirl_pl.generators.wan import WanGenerator
 

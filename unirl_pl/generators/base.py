@@ -17,7 +17,6 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from unirl_pl.errors import InputError
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
 from unirl_pl.experts.base import (
     LORA_INITS,
@@ -26,7 +25,8 @@ from unirl_pl.experts.base import (
     attach_diffusers_lora,
     check_lora_args,
 )
-from unirl_pl.generators.schedule import Schedule, read_scheduler_config, scheduler_from_config, scheduler_sigmas
+from unirl_pl.generators.folder import read_model_index
+from unirl_pl.generators.schedule import Schedule, pipeline_schedule
 from unirl_pl.paths import read_json_file
 from unirl_pl.records import Cond
 
@@ -43,34 +43,6 @@ JOINT_ATTENTION_LORA_TARGETS: tuple[str, ...] = (
     "attn.to_q",
     "attn.to_v",
 )
-
-
-def read_model_index(pipeline_path: str | Path) -> dict[str, Any]:
-    """Read ``model_index.json`` of a local diffusers pipeline folder, raising ``FileNotFoundError``
-    that says what is missing when the folder or its index does not exist (nothing is downloaded)."""
-    folder = Path(pipeline_path)
-    if not folder.is_dir():
-        raise FileNotFoundError(
-            f"pipeline_path {str(pipeline_path)!r} is not a folder: pass a local diffusers pipeline folder "
-            "(as written by DiffusionPipeline.save_pretrained or downloaded beforehand); nothing is downloaded"
-        )
-    index = folder / "model_index.json"
-    if not index.is_file():
-        raise FileNotFoundError(
-            f"{str(folder)!r} has no model_index.json, so it is not a diffusers pipeline folder "
-            "(point pipeline_path at the folder that holds model_index.json, transformer/, vae/, ...)"
-        )
-    index_data = read_json_file(index)
-    if not isinstance(index_data, dict):
-        raise InputError(f"{index}: holds a JSON {type(index_data).__name__}, not the object a model_index.json is")
-    return index_data
-
-
-def has_component(index: dict[str, Any], name: str) -> bool:
-    """Whether the pipeline index declares component ``name``; ``save_pretrained`` writes an absent
-    optional component as ``[null, null]``."""
-    entry = index.get(name)
-    return isinstance(entry, list | tuple) and len(entry) == 2 and entry[0] is not None
 
 
 class FlowGenerator(torch.nn.Module, ABC):
@@ -210,22 +182,8 @@ class FlowGenerator(torch.nn.Module, ABC):
         the folder's own scheduler config (works before ``build()``); see :mod:`unirl_pl.generators.schedule`."""
         cached = self._schedules.get(num_steps)
         if cached is None:
-            config = read_scheduler_config(self._folder())
-            # The pipeline instantiates the class model_index.json names for its scheduler, whatever the
-            # scheduler config's own _class_name says.
-            entry = read_model_index(self._folder()).get("scheduler")
-            if has_component({"scheduler": entry}, "scheduler"):
-                config = {**config, "_class_name": entry[1]}
-            kwargs = self._schedule_kwargs(num_steps, config)
-            sigmas = scheduler_sigmas(scheduler_from_config(config), num_steps, **kwargs)
-            keys = ("shift", "flow_shift", "use_dynamic_shifting", "shift_terminal")
-            knobs = {k: config[k] for k in keys if config.get(k) is not None}
-            details = {"scheduler": config.get("_class_name"), **knobs}
-            if kwargs.get("mu") is not None:
-                details["mu"] = float(kwargs["mu"])
-            described = ", ".join(f"{k}={v}" for k, v in details.items() if k != "scheduler")
-            source = f"{config.get('_class_name')}({described}) of {self.pipeline_path}"
-            cached = self._schedules[num_steps] = Schedule(sigmas, source, details)
+            cached = pipeline_schedule(self._folder(), num_steps, self._schedule_kwargs, str(self.pipeline_path))
+            self._schedules[num_steps] = cached
         return cached
 
     # ------------------------------------------------------------------ loading

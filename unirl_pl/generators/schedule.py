@@ -12,6 +12,7 @@ these sigmas (Euler / SDE), whatever solver the pipeline itself would use betwee
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from torch import Tensor
 
+from unirl_pl.generators.folder import has_component, read_model_index
 from unirl_pl.paths import read_json_file
 
 SCHEDULER_CONFIG = Path("scheduler") / "scheduler_config.json"
@@ -105,3 +107,27 @@ def pipeline_shift(scheduler_config: dict[str, Any], image_seq_len: int, default
             scheduler_config.get("max_shift", default_max_shift),
         )
     )
+
+
+def pipeline_schedule(
+    folder: str | Path,
+    num_steps: int,
+    schedule_kwargs: Callable[[int, dict[str, Any]], dict[str, Any]],
+    label: str,
+) -> Schedule:
+    """The ``num_steps`` sigmas of the pipeline in ``folder``: its scheduler config with the family's extra
+    ``set_timesteps`` arguments from ``schedule_kwargs(num_steps, config)``; ``label`` names the pipeline."""
+    config = read_scheduler_config(folder)
+    # The pipeline instantiates the class model_index.json names for its scheduler, whatever the scheduler
+    # config's own _class_name says.
+    entry = read_model_index(folder).get("scheduler")
+    if has_component({"scheduler": entry}, "scheduler"):
+        config = {**config, "_class_name": entry[1]}
+    kwargs = schedule_kwargs(num_steps, config)
+    sigmas = scheduler_sigmas(scheduler_from_config(config), num_steps, **kwargs)
+    keys = ("shift", "flow_shift", "use_dynamic_shifting", "shift_terminal")
+    details = {"scheduler": config.get("_class_name"), **{k: config[k] for k in keys if config.get(k) is not None}}
+    if kwargs.get("mu") is not None:
+        details["mu"] = float(kwargs["mu"])
+    described = ", ".join(f"{k}={v}" for k, v in details.items() if k != "scheduler")
+    return Schedule(sigmas, f"{config.get('_class_name')}({described}) of {label}", details)

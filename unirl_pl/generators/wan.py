@@ -20,7 +20,8 @@ from transformers import UMT5EncoderModel
 
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.base import LORA_WEIGHTS_FILE, adapter_bypassed, attach_diffusers_lora
-from unirl_pl.generators.base import Cond, FlowGenerator, has_component, read_model_index
+from unirl_pl.generators.base import Cond, FlowGenerator
+from unirl_pl.generators.folder import has_component, read_model_index
 from unirl_pl.paths import read_json_file
 from unirl_pl.records import cond_rows
 

@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from unirl_pl.experts import CausalLMExpert
 from unirl_pl.experts.base import attach_diffusers_lora
 from unirl_pl.generators import FlowGenerator
-from unirl_pl.generators.base import has_component, read_model_index
+from unirl_pl.generators.folder import has_component, read_model_index
 from unirl_pl.manifest import ASSETS, verify_assets
 
 SHIPPED = ASSETS / "configs"
