@@ -306,3 +306,15 @@ def test_class_help_is_named_as_the_user_runs_it(capsys):
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m unirl_pl "), out[:200]
     assert "__main__" not in out and "--model.rollout" in out
+
+
+def test_no_progress_bar_drops_the_recipes_bar_instead_of_a_traceback():
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from unirl_pl.callbacks import RLProgressBar
+
+    with_bar = main(["--config", TINY, "--trainer.logger=false"], run=False).trainer.callbacks
+    assert any(isinstance(c, RLProgressBar) for c in with_bar), "the recipe has a bar to drop"
+    cli = main(["--config", TINY, "--trainer.logger=false", "--trainer.enable_progress_bar=false"], run=False)
+    assert not any(isinstance(c, ProgressBar) for c in cli.trainer.callbacks)
+    assert any(type(c).__name__ == "RunSummary" for c in cli.trainer.callbacks), "only the bar goes"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import re
 import sys
@@ -171,6 +172,11 @@ class UniRLCLI(LightningCLI):
             if self.subcommand in ("validate", "predict") and not self._user_set("trainer.logger"):
                 # Only fit makes a run: evaluating a checkpoint must not add an empty version folder.
                 config["trainer"]["logger"] = False
+            if config.get("trainer", {}).get("enable_progress_bar") is False:
+                # Lightning refuses a progress-bar callback next to enable_progress_bar=false with a traceback;
+                # the user asked for no bar, so the recipe's bar goes.
+                callbacks = config["trainer"].get("callbacks") or []
+                config["trainer"]["callbacks"] = [c for c in callbacks if not _is_progress_bar(c)]
 
     def instantiate_classes(self) -> None:
         with self._config_phase():
@@ -185,6 +191,23 @@ class UniRLCLI(LightningCLI):
             # config.yaml describes a run; without a logger it would land in the current directory.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SaveConfigCallback)]
         return trainer
+
+
+def _is_progress_bar(callback: Any) -> bool:
+    """Whether a configured callback (a class_path entry or an instance) is a Lightning progress bar."""
+    from lightning.pytorch.callbacks import ProgressBar
+
+    if isinstance(callback, ProgressBar):
+        return True
+    class_path = getattr(callback, "class_path", None)
+    if not isinstance(class_path, str):
+        return False
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, ProgressBar)
 
 
 def check_recipe_files(args: list[str]) -> None:
