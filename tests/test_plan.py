@@ -66,27 +66,23 @@ def _tiny_recipe(**extra: str):
     return step_recipe(config)
 
 
+def _plan_tiny(recipe, folders: tuple[Path, str], real: bool = False):
+    """``plan_step`` of ``recipe`` on the tiny pipeline and refiner with an unlimited budget."""
+    pipeline, lm = folders
+    return plan_step(
+        recipe, budget=1 << 40, title="tiny", pipeline_path=str(pipeline), llm_path=lm, prompt_tokens=24,
+        log=lambda _: None, real=real,
+    )  # fmt: skip
+
+
 # ------------------------------------------------------------------ fake vs real
 
 
 def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
     """Every phase's tracked peak on fake tensors is within 10% of the same code on the real tiny models
     (weights loaded by their own ``build()``), also without the experience both sides build alike."""
-    pipeline, lm = folders
     recipe = _tiny_recipe()
-    plans = {
-        real: plan_step(
-            recipe,
-            budget=1 << 40,
-            title="tiny",
-            pipeline_path=str(pipeline),
-            llm_path=lm,
-            prompt_tokens=24,
-            log=lambda _: None,
-            real=real,
-        )
-        for real in (False, True)
-    }
+    plans = {real: _plan_tiny(recipe, folders, real=real) for real in (False, True)}
     fake, real = (plans[k].recipe_candidate.phases for k in (False, True))
     assert (
         set(fake) == set(real) == {"lm_decode", "text_encode", "dit_rollout", "vae_decode", "dit_update", "lm_update"}
@@ -109,16 +105,7 @@ def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit
     it holds there shrinks from its whole graph to its LoRA gradients, and the DiT update's peak with it."""
     pipeline, lm = folders
     plans = {
-        size: plan_step(
-            _tiny_recipe(**{"model.rollout.lm_micro_batch_size": size}),
-            budget=1 << 40,
-            title="tiny",
-            pipeline_path=str(pipeline),
-            llm_path=lm,
-            prompt_tokens=24,
-            log=lambda _: None,
-        )
-        for size in ("null", "1")
+        size: _plan_tiny(_tiny_recipe(**{"model.rollout.lm_micro_batch_size": size}), folders) for size in ("null", "1")
     }
     whole, chunked = plans["null"], plans["1"]
     assert chunked.lm_micro_batch == 1 and whole.lm_micro_batch is None

@@ -103,10 +103,11 @@ class FeatureCache:
             chunk = missing[start : start + size]
             feats = compute(chunk + [chunk[-1]] * (size - len(chunk)))
             self.device = next(iter(feats.values())).device
+            if self.offload:  # one copy of the encode batch to host memory, not one per row
+                feats = {name: f.detach().cpu() for name, f in feats.items()}
             for i, text in enumerate(chunk):
                 # clone(): a kept row must not hold its whole encode batch alive through a view.
-                row = {name: f[i].detach().clone() for name, f in feats.items()}
-                self._store[(component, version, text)] = {n: t.cpu() for n, t in row.items()} if self.offload else row
+                self._store[(component, version, text)] = {name: f[i].detach().clone() for name, f in feats.items()}
         for k in keys:
             self._store.move_to_end(k)
         out = [self._store[k] for k in keys]

@@ -197,12 +197,13 @@ class RefinerAlgorithm(Algorithm):
             return self.chunk_loss(loop, record, advantages, settings, reference, anchor)
         bounds = chunk_bounds(record.input_ids.shape[0], size)
         per_row = self.units(record).reshape(record.input_ids.shape[0], -1).sum(1).double()
-        total = float(per_row.sum().clamp_min(1))
+        # Every chunk's share in one device-to-host copy, not one sync per chunk.
+        shares = (torch.stack([per_row[a:b].sum() for a, b in bounds]) / per_row.sum().clamp_min(1)).tolist()
         parts: list[tuple[float, LossOutput]] = []
-        for a, b in bounds:
+        for (a, b), share in zip(bounds, shares, strict=True):
             sub = None if anchor is None else anchor[a:b]
             out = self.chunk_loss(loop, record.slice(a, b), advantages[a:b], settings, reference, sub)
-            add_part(parts, float(per_row[a:b].sum()) / total, out, backward)
+            add_part(parts, share, out, backward)
         logp = torch.cat([out.logp for _, out in parts])
         return replace(weighted_loss(parts, backpropagated=backward is not None), logp=logp)
 
