@@ -23,7 +23,7 @@ from typing import Any
 from unirl_pl.ablate.arms import Arm, build_arms, parse_vary
 from unirl_pl.ablate.paired import write_paired
 from unirl_pl.ablate.plot import draw_plot, draw_strict_vs_cpu
-from unirl_pl.ablate.report import write_csv, write_markdown
+from unirl_pl.ablate.report import write_cost_csv, write_csv, write_markdown
 from unirl_pl.ablate.runs import (
     BASE_MODES,
     MODES,
@@ -169,6 +169,7 @@ def write_outputs(out: Path, the_plan: Plan, meta: dict[str, str], main: str) ->
     write_markdown(out / "ablation.md", runs, the_plan.groups, meta, main)
     draw_plot(out / "ablation.png", runs, the_plan.groups)
     write_paired(out, runs, the_plan.modes, the_plan.arms, main)
+    write_cost_csv(out / "cost.csv", runs)
     if the_plan.varied:
         draw_strict_vs_cpu(out / "strict_vs_cpu.png", runs, the_plan.groups)
 
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         rewrite()
         console.print(f"interrupted; finished runs are in {out / 'ablation.md'}")
         return 130
-    written = ["ablation.csv", "ablation.md", "ablation.png", "paired.csv", "paired.md"]
+    written = ["ablation.csv", "ablation.md", "ablation.png", "paired.csv", "paired.md", "cost.csv"]
     written += ["strict_vs_cpu.png"] if the_plan.varied else []
     console.print("wrote " + ", ".join(str(out / name) for name in written))
     if failed:

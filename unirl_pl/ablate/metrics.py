@@ -40,6 +40,21 @@ def read_validation(path: Path, *, fit: bool) -> tuple[dict[str, float], int | N
     return final, final_step, series
 
 
+TRAIN_CPU = "time/train_cpu_seconds"  # logged with each validation by unirl_pl.callbacks.TrainCPUClock
+
+
+def read_train_cpu(path: Path) -> list[tuple[int, float]]:
+    """``(RL steps done, training CPU seconds so far)`` at each validation of a fit's ``metrics.csv`` that
+    logged :data:`TRAIN_CPU`; empty when none did."""
+    found: list[tuple[int, float]] = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            value = row.get(TRAIN_CPU)
+            if value not in ("", None):
+                found.append((int(float(row.get("step") or 0)) + 1, float(value)))
+    return found
+
+
 def metric_order(keys: set[str] | list[str]) -> list[str]:
     """``<term>/<score>/<category>`` keys: by term, then overall first and the ShapesWorld category order."""
     try:

@@ -2,8 +2,8 @@
 
 ``ablation.png``: held-out strict (overall, main split) against RL steps, a line per group (the mean over
 seeds at each validation) in a band of ± one std; a base row, validated before any step, is a dashed
-horizontal line. ``strict_vs_cpu.png`` (with ``--vary``): the same score against each run's CPU seconds,
-a dot per run and a ring at each group's mean.
+horizontal line. ``strict_vs_cpu.png`` (with ``--vary``): the same score against the training CPU seconds
+spent to reach it, a dot per run and validation and a line per group through the means.
 """
 
 from __future__ import annotations
@@ -242,14 +242,27 @@ def _legend(draw: Any, at: tuple[int, int], title: list[str], labels: dict[str, 
 
 
 def draw_strict_vs_cpu(path: Path, runs: list[Run], groups: list[str], size: tuple[int, int] = SIZE) -> None:
-    """Held-out strict (overall, main split, last validation) against the run's CPU seconds: a dot per
-    run, a ring with a cross at each group's mean (mean CPU seconds, mean strict)."""
+    """Held-out strict (overall, main split) against CPU seconds.
+
+    With the training clock (``ablate`` adds it to every fit): a dot per run and validation at the training
+    CPU seconds spent so far, and a line per group through the means at each validation. Without it: a dot
+    per run at its last validation and whole-process CPU seconds, a ring with a cross at each group's mean.
+    """
     from PIL import Image, ImageDraw
 
-    title = "Held-out strict accuracy (overall) vs CPU seconds per run"
+    from unirl_pl.ablate.report import cost_points
+
     runs = [r for r in runs if not r.split and r.ok and not math.isnan(r.cpu_seconds)]
     metric = strict_overall({k for r in runs for k in r.final})
-    points = {g: [(r.cpu_seconds, r.final[metric]) for r in runs if r.group == g and metric in r.final] for g in groups}
+    clocked = bool(runs) and all(r.train_cpu for r in runs)
+    title = f"Held-out strict accuracy (overall) vs {'training ' if clocked else ''}CPU seconds"
+    if clocked:
+        per_run = {r.name: [(cpu, strict) for _, cpu, strict in cost_points(r)] for r in runs}
+        lines = {g: _mean_path([cost_points(r) for r in runs if r.group == g]) for g in groups}
+    else:
+        per_run = {r.name: [(r.cpu_seconds, r.final[metric])] for r in runs if metric in r.final}
+        lines = {}
+    points = {g: [p for r in runs if r.group == g for p in per_run.get(r.name, [])] for g in groups}
     points = {g: p for g, p in points.items() if p}
     if metric is None or not points:
         _blank(path, title, "no run with a held-out strict score and its CPU seconds yet", size)
@@ -257,24 +270,46 @@ def draw_strict_vs_cpu(path: Path, runs: list[Run], groups: list[str], size: tup
     xs = [x for p in points.values() for x, _ in p]
     ys = [y for p in points.values() for _, y in p]
     x1 = max(xs) * 1.08 or 1.0
-    x0 = max(0.0, min(xs) - (x1 - min(xs)) * 0.1)
-    legend = {g: f"{g} (n={len(p)})" for g, p in points.items()}
+    x0 = 0.0 if clocked else max(0.0, min(xs) - (x1 - min(xs)) * 0.1)
+    n_runs = {g: sum(1 for r in runs if r.group == g) for g in points}
+    legend = {g: f"{g} (n={n_runs[g]})" for g in points}
     size, box = canvas(size, list(legend.values()))
     frame = Frame(box, x0, x1, *score_range(ys, ys))
     img = Image.new("RGBA", size, "white")
-    xlabel = "CPU seconds of the run (user + system)"
+    if clocked:
+        xlabel = "training CPU seconds spent (validation excluded)"
+    else:
+        xlabel = "CPU seconds of the run (user + system)"
     draw_frame(img, frame, title, xlabel, f"held-out strict ({metric})", integer_x=False)
     draw = ImageDraw.Draw(img)
     palette = colors(groups)
     for group, found in points.items():
         for x, y in found:
             cx, cy = frame.xy(x, y)
-            draw.ellipse([cx - 4, cy - 4, cx + 4, cy + 4], fill=palette[group])
-    for group, found in points.items():
-        cx, cy = frame.xy(sum(x for x, _ in found) / len(found), sum(y for _, y in found) / len(found))
-        draw.ellipse([cx - 10, cy - 10, cx + 10, cy + 10], outline=palette[group], width=3)
-        draw.line([cx - 14, cy, cx + 14, cy], fill=palette[group], width=2)
-        draw.line([cx, cy - 14, cx, cy + 14], fill=palette[group], width=2)
+            draw.ellipse([cx - 3, cy - 3, cx + 3, cy + 3], fill=palette[group])
+    for group, path_xy in lines.items():
+        if group in points and path_xy:
+            xy = [frame.xy(x, y) for x, y in path_xy]
+            if len(xy) > 1:
+                draw.line(xy, fill=palette[group], width=3)
+            for cx, cy in xy:
+                draw.ellipse([cx - 6, cy - 6, cx + 6, cy + 6], outline=palette[group], width=3)
+    if not clocked:
+        for group, found in points.items():
+            cx, cy = frame.xy(sum(x for x, _ in found) / len(found), sum(y for _, y in found) / len(found))
+            draw.ellipse([cx - 10, cy - 10, cx + 10, cy + 10], outline=palette[group], width=3)
+            draw.line([cx - 14, cy, cx + 14, cy], fill=palette[group], width=2)
+            draw.line([cx, cy - 14, cx, cy + 14], fill=palette[group], width=2)
     right, top = frame.box[2], frame.box[1]
-    _legend(draw, (right + 16, top), ["dot = a run;", "ring = mean"], legend, palette, "main split, last validation")
+    head = ["dot = a run at a", "validation; line =", "mean per step"] if clocked else ["dot = a run;", "ring = mean"]
+    _legend(draw, (right + 16, top), head, legend, palette, "main split")
     img.convert("RGB").save(path)
+
+
+def _mean_path(found: list[list[tuple[int, float, float]]]) -> list[tuple[float, float]]:
+    """The group's ``(mean training CPU s, mean strict)`` at each validation step, in step order."""
+    by_step: dict[int, list[tuple[float, float]]] = {}
+    for points in found:
+        for step, cpu, strict in points:
+            by_step.setdefault(step, []).append((cpu, strict))
+    return [(sum(c for c, _ in v) / len(v), sum(s for _, s in v) / len(v)) for _, v in sorted(by_step.items())]

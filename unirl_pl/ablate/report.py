@@ -120,6 +120,7 @@ def write_markdown(
         note = " (the recipe's validation prompts)" if not split else " (scored after each run)"
         lines += ["", f"## {label} split{note}", "", *_table([r for r in runs if r.split == split], groups, split)]
     lines += ["", f"## Runs ({main} split)", "", *_run_rows([r for r in runs if not r.split and r.ok], groups)]
+    lines += _cost_section([r for r in runs if not r.split and r.ok], groups, main)
     failed = [r for r in runs if r.returncode is not None and not r.ok]
     if failed:
         lines += ["", "Failed runs (not in the tables):", ""]
@@ -146,6 +147,57 @@ def _table(runs: list[Run], groups: list[str], split: str) -> list[str]:
         seeds = " ".join(str(r.seed) for r in done)
         step_text = "/".join(str(s) for s in steps) or "–"
         lines.append("| " + " | ".join([group, seeds, step_text, f"{wall:.0f}", f"{cpu:.0f}", *cells]) + " |")
+    return lines
+
+
+def cost_points(run: Run) -> list[tuple[int, float, float]]:
+    """``(RL steps done, training CPU s, held-out strict overall)`` at each validation of a fit that logged
+    its training CPU time (:class:`unirl_pl.callbacks.TrainCPUClock`)."""
+    metric = strict_overall(run.series)
+    scores = dict(run.series.get(metric, [])) if metric else {}
+    return [(x, cpu, scores[x]) for x, cpu in run.train_cpu if x in scores]
+
+
+def write_cost_csv(path: Path, runs: list[Run]) -> None:
+    """``cost.csv``: a row per run x validation, its training CPU seconds and held-out strict overall."""
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(("mode", "arm", "seed", "rl_steps", "train_cpu_s", "strict_overall"))
+        for run in runs:
+            if not run.split and run.ok:
+                for x, cpu, strict in cost_points(run):
+                    writer.writerow((run.mode, run.arm, run.seed, x, f"{cpu:.1f}", fmt(strict)))
+
+
+def _cost_section(runs: list[Run], groups: list[str], main: str) -> list[str]:
+    """Per group and validation: mean training CPU seconds and held-out strict (mean ± std over seeds)."""
+    points = {r.name: cost_points(r) for r in runs}
+    steps = sorted({x for found in points.values() for x, _, _ in found})
+    if not steps:
+        return []
+    lines = [
+        "",
+        f"## Held-out strict against training CPU seconds ({main} split)",
+        "",
+        "Each cell: strict overall `mean ± std` over seeds after that many RL steps, and the mean CPU seconds "
+        "of training spent to get there (validation excluded; `unirl_pl.callbacks.TrainCPUClock`). "
+        "Every point: `cost.csv`.",
+        "",
+        "| mode | " + " | ".join(f"step {x}" for x in steps) + " |",
+        "|---|" + "---|" * len(steps),
+    ]
+    for group in groups:
+        found = [points[r.name] for r in runs if r.group == group]
+        cells = []
+        for x in steps:
+            at = [(cpu, strict) for p in found for step, cpu, strict in p if step == x]
+            if not at:
+                cells.append("–")
+                continue
+            cpu = sum(c for c, _ in at) / len(at)
+            cells.append(f"{cell(*mean_std([s for _, s in at]))} ({cpu:.0f} CPU s)")
+        if any(c != "–" for c in cells):
+            lines.append(f"| {group} | " + " | ".join(cells) + " |")
     return lines
 
 

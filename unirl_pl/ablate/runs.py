@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from unirl_pl.ablate.arms import Arm
-from unirl_pl.ablate.metrics import Series, read_validation
+from unirl_pl.ablate.metrics import Series, read_train_cpu, read_validation
 
 MODES: tuple[str, ...] = ("base", "base_no_refiner", "joint", "prompt_only", "generator_only")
 TRAINING_MODES: tuple[str, ...] = ("joint", "prompt_only", "generator_only")
@@ -39,6 +39,8 @@ QUICK: tuple[str, ...] = (
     "--model.rollout.sde_window=[0,2]",
 )
 STDERR_TAIL = 25
+# Added to every fit: held-out scores against the training CPU seconds spent to reach them.
+CLOCK = "unirl_pl.callbacks.TrainCPUClock"
 
 
 def run_name(mode: str, seed: int, split: str = "", arm: str = "") -> str:
@@ -75,6 +77,7 @@ class Run:
     final: dict[str, float] = field(default_factory=dict)  # metric -> value at the last validation
     final_step: int | None = None
     series: Series = field(default_factory=dict)  # metric -> [(RL steps done, value), ...]
+    train_cpu: list[tuple[int, float]] = field(default_factory=list)  # [(RL steps done, training CPU s), ...]
 
     @property
     def name(self) -> str:
@@ -151,6 +154,9 @@ def build_command(
     head += [f"--trainer.logger.init_args.save_dir={runs}", f"--trainer.logger.init_args.name={name}"]
     if mode not in BASE_MODES and checkpoint_dirpath:
         head.append(f"--trainer.callbacks.dirpath={out / 'ckpt' / name}")
+    if mode not in BASE_MODES:
+        # After the dirpath override, which sets the recipe's last callback: the clock is appended.
+        head.append(f"--trainer.callbacks+={CLOCK}")
     return [sys.executable, "-m", "unirl_pl", *head, *tail]
 
 
@@ -229,6 +235,7 @@ def execute(run: Run, env: dict[str, str]) -> None:
     metrics = run.version_dir / "metrics.csv" if run.version_dir else None
     if run.returncode == 0 and metrics is not None and metrics.is_file():
         run.final, run.final_step, run.series = read_validation(metrics, fit=run.mode not in BASE_MODES)
+        run.train_cpu = read_train_cpu(metrics)
 
 
 def tail(path: Path, lines: int = STDERR_TAIL) -> str:

@@ -1,6 +1,7 @@
 """Built-in gates (callbacks that enforce an invariant every step) and the prediction writer."""
 
 from unirl_pl.callbacks.c2 import LogProbIdentityCheck
+from unirl_pl.callbacks.cpu_clock import TrainCPUClock
 from unirl_pl.callbacks.export import AdapterExport
 from unirl_pl.callbacks.ledger import WeightVersionLedger
 from unirl_pl.callbacks.parity import InterleaveParityCheck
@@ -19,6 +20,7 @@ __all__ = [
     "RLProgressBar",
     "RunCheckpoint",
     "RunSummary",
+    "TrainCPUClock",
     "ValidationImages",
     "WeightVersionLedger",
 ]
