@@ -26,8 +26,10 @@ from unirl_pl.ablate import (
     pairs,
     parse_args,
     plan,
+    read_train_cpu,
     read_validation,
     t_quantile,
+    write_cost_csv,
     write_csv,
     write_markdown,
     write_paired,
@@ -64,11 +66,14 @@ def test_commands_fit_per_mode_and_validate_with_a_logger_for_base(tmp_path):
     assert f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}" in fit
     assert "--trainer.logger.init_args.name=prompt_only_s3" in fit
     assert f"--trainer.callbacks.dirpath={tmp_path / 'ckpt' / 'prompt_only_s3'}" in fit
+    # The clock is appended after dirpath is set (that override names the recipe's last callback).
+    clock = fit.index("--trainer.callbacks+=unirl_pl.callbacks.TrainCPUClock")
+    assert clock == fit.index(f"--trainer.callbacks.dirpath={tmp_path / 'ckpt' / 'prompt_only_s3'}") + 1
     assert fit.index("--trainer.max_steps=2") < fit.index("--trainer.max_steps=5"), "extra overrides win"
     base = build_command("r.yaml", "base", 3, tmp_path)
     assert base[3] == "validate" and "--model.mode=joint" in base
     assert "--trainer.logger=lightning.pytorch.loggers.CSVLogger" in base, "validate logs only when asked"
-    assert not any(a.startswith("--trainer.callbacks.dirpath") for a in base)
+    assert not any(a.startswith("--trainer.callbacks") for a in base)
     start = build_command("r.yaml", "base_no_refiner", 3, tmp_path)
     assert start[3] == "validate" and "--model.llm=null" in start, "the DiT alone, on the user's prompts"
     # An extra split scores the fit's last checkpoint, or the starting weights for a base row.
@@ -92,6 +97,39 @@ def test_read_validation_takes_the_last_validation_and_counts_rl_steps(tmp_path)
     assert step == 40 and final == {"g/strict/overall": 0.5, "g/soft/overall": 0.7}
     assert series["g/strict/overall"] == [(20, 0.25), (40, 0.5)] and series["g/strict/counting"] == [(20, 0.0)]
     assert read_validation(path, fit=False)[1] == 0, "validate (base) is before any step"
+
+
+def test_training_cpu_per_validation_is_read_tabulated_and_drawn(tmp_path):
+    path = tmp_path / "metrics.csv"
+    path.write_text(
+        "epoch,step,reward/mean,time/train_cpu_seconds,val/g/strict/overall\n"
+        "0,9,0.5,,\n0,9,,12.5,0.25\n0,19,,30.0,0.5\n"
+    )
+    assert read_train_cpu(path) == [(10, 12.5), (20, 30.0)]
+    runs = []
+    for seed, (a, b) in enumerate(((0.25, 0.5), (0.75, 0.5))):
+        run = _run("joint", seed, {"g/strict/overall": b}, arm="x")
+        run.series = {"g/strict/overall": [(10, a), (20, b)]}
+        run.train_cpu = [(10, 10.0 + seed), (20, 30.0 + seed)]
+        runs.append(run)
+    write_cost_csv(tmp_path / "cost.csv", runs)
+    rows = list(csv.DictReader((tmp_path / "cost.csv").open()))
+    assert [(r["seed"], r["rl_steps"], r["train_cpu_s"], r["strict_overall"]) for r in rows] == [
+        ("0", "10", "10.0", "0.25"),
+        ("0", "20", "30.0", "0.5"),
+        ("1", "10", "11.0", "0.75"),
+        ("1", "20", "31.0", "0.5"),
+    ]
+    write_markdown(tmp_path / "a.md", runs, ["joint-x"], {})
+    section = (tmp_path / "a.md").read_text().split("## Held-out strict against training CPU seconds")[1]
+    assert "| mode | step 10 | step 20 |" in section
+    assert "| joint-x | 0.500 ± 0.354 (10 CPU s) | 0.500 ± 0.000 (30 CPU s) |" in section
+    draw_strict_vs_cpu(tmp_path / "c.png", runs, ["joint-x"])
+    with Image.open(tmp_path / "c.png") as img:
+        assert (31, 119, 180) in {c for _, c in img.convert("RGB").getcolors(1 << 20)}
+    runs[0].train_cpu = []  # without the clock there is no section
+    write_markdown(tmp_path / "b.md", runs[:1], ["joint-x"], {})
+    assert "training CPU seconds" not in (tmp_path / "b.md").read_text()
 
 
 def test_mean_std_and_a_failed_mode_in_the_table(tmp_path):
@@ -353,6 +391,11 @@ def test_quick_ablation_writes_table_csv_plot_and_paired_report(tmp_path):
     md, table, png = out / "ablation.md", out / "ablation.csv", out / "ablation.png"
     assert md.is_file() and table.is_file() and png.is_file()
     assert not (out / "strict_vs_cpu.png").exists(), "drawn only with --vary"
+    cost = list(csv.DictReader((out / "cost.csv").open()))
+    for mode in modes:
+        for seed in "01":
+            clock = [float(r["train_cpu_s"]) for r in cost if (r["mode"], r["seed"]) == (mode, seed)]
+            assert len(clock) == 2 and 0 < clock[0] < clock[1], (mode, seed, clock)
 
     rows = {line.split("|")[1].strip(): line for line in md.read_text().splitlines() if line.startswith("| ")}
     assert "strict overall" in rows["mode"] and "soft overall" in rows["mode"] and "CPU s" in rows["mode"]

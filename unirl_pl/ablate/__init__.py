@@ -7,10 +7,10 @@ in :mod:`.stats`) and the pictures (:mod:`.plot`) are rewritten after every run;
 
 from unirl_pl.ablate.arms import Arm, build_arms, parse_vary
 from unirl_pl.ablate.cli import main, parse_args, plan
-from unirl_pl.ablate.metrics import read_validation
+from unirl_pl.ablate.metrics import read_train_cpu, read_validation
 from unirl_pl.ablate.paired import pairs, write_paired
 from unirl_pl.ablate.plot import draw_plot, draw_strict_vs_cpu
-from unirl_pl.ablate.report import write_csv, write_markdown
+from unirl_pl.ablate.report import write_cost_csv, write_csv, write_markdown
 from unirl_pl.ablate.runs import Run, build_command, execute
 from unirl_pl.ablate.stats import Paired, mean_std, paired, t_quantile
 
@@ -30,8 +30,10 @@ __all__ = [
     "parse_args",
     "parse_vary",
     "plan",
+    "read_train_cpu",
     "read_validation",
     "t_quantile",
+    "write_cost_csv",
     "write_csv",
     "write_markdown",
     "write_paired",
