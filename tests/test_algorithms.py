@@ -241,7 +241,7 @@ def nft():
 def test_fast_records_one_step_per_sample_at_its_own_place_and_c2_holds(fast):
     model, dm = fast
     exp = collect(model, dm)
-    rec = exp.dit
+    rec = exp.records["diffusion_denoise"]
     assert isinstance(rec, DiTRecord) and rec.num_steps == 1 and rec.sigma.shape == (len(exp.prompts), 1)
     sigmas = model.diffusion_denoise.sigmas(4)
     assert torch.equal(rec.sigma[:, 0], sigmas[rec.starts]) and torch.equal(
@@ -256,7 +256,7 @@ def test_fast_records_one_step_per_sample_at_its_own_place_and_c2_holds(fast):
 def test_fast_c2_catches_a_recompute_that_ignores_the_per_sample_windows(fast, monkeypatch):
     model, dm = fast
     exp = collect(model, dm)
-    rec = exp.dit
+    rec = exp.records["diffusion_denoise"]
     sigmas = model.diffusion_denoise.sigmas(4)
     # The fault: re-scoring every sample at the first sample's window (as a recompute reading one window would).
     shared = replace(
@@ -279,10 +279,16 @@ def test_mix_grpo_rollout_follows_the_step_and_c2_catches_a_stale_window():
     first = collect(model, dm)
     model.policy.begin_step(1)
     second = collect(model, dm)
-    assert set(first.dit.starts.tolist()) == {0} and set(second.dit.starts.tolist()) == {1}
+    assert set(first.records["diffusion_denoise"].starts.tolist()) == {0} and set(
+        second.records["diffusion_denoise"].starts.tolist()
+    ) == {1}
     LogProbIdentityCheck().check(model, second)
     # The fault: re-scoring step 1's record at step 0's window.
-    second.records["diffusion_denoise"] = replace(second.dit, sigma=first.dit.sigma, sigma_next=first.dit.sigma_next)
+    second.records["diffusion_denoise"] = replace(
+        second.records["diffusion_denoise"],
+        sigma=first.records["diffusion_denoise"].sigma,
+        sigma_next=first.records["diffusion_denoise"].sigma_next,
+    )
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, second)
 
@@ -290,9 +296,9 @@ def test_mix_grpo_rollout_follows_the_step_and_c2_catches_a_stale_window():
 def test_cps_records_its_own_step_and_c2_catches_a_recompute_with_the_sde_step():
     model, dm = build(*overlay("cps"))
     exp = collect(model, dm)
-    assert exp.dit.kind == "cps" and exp.dit.noise_level == 0.8
+    assert exp.records["diffusion_denoise"].kind == "cps" and exp.records["diffusion_denoise"].noise_level == 0.8
     assert LogProbIdentityCheck().check(model, exp)["transformer"]["frac_bitwise_equal"] == 1.0
-    exp.records["diffusion_denoise"] = replace(exp.dit, kind="sde")
+    exp.records["diffusion_denoise"] = replace(exp.records["diffusion_denoise"], kind="sde")
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, exp)
     with pytest.raises(ValueError, match="includes the last step"):
@@ -304,7 +310,7 @@ def test_nft_records_old_policy_points_and_the_gate_checks_them(nft, monkeypatch
     algorithm = model.generator_algorithm
     exp = collect(model, dm)
     rec = exp.records["diffusion_denoise"]
-    assert isinstance(rec, FlowPointsRecord) and exp.dit is None and rec.num_points == 3  # int(4 * 0.99)
+    assert isinstance(rec, FlowPointsRecord) and rec.num_points == 3  # int(4 * 0.99)
     assert rec.xt.shape == (len(exp.prompts), 3, *rec.x0.shape[1:])
     stats = LogProbIdentityCheck().check(model, exp)
     assert stats["transformer"]["max_abs_diff"] == 0.0

@@ -103,7 +103,7 @@ def test_micro_batched_dit_gradient_equals_the_one_batch_gradient(model, built, 
     assert model.source.diffusion_denoise is loop
     monkeypatch.setattr(loop, "config", replace(loop.config, micro_batch_size=2))
     exp = collect(model, dm)
-    record = exp.dit
+    record = exp.records["diffusion_denoise"]
     assert record is not None and record.chunks == [(0, 2), (2, 4), (4, 6), (6, 8)]
     # Distinct per row, and every chunk's mean differs from the first chunk's.
     advantages = torch.tensor([1.5, -0.5, 0.25, -1.0, -0.75, 2.0, 0.5, -1.25])

@@ -88,7 +88,7 @@ def with_dit_loss(monkeypatch, model, **changes) -> None:
 
 def dit_terms(model, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
     """Per (sample, step) log-probs and KLs, computed here from the loop and the adapter toggle: (N, S) each."""
-    rec, loop = exp.dit, model.diffusion_denoise
+    rec, loop = exp.records["diffusion_denoise"], model.diffusion_denoise
     logp = torch.empty_like(rec.old_logp)
     kl = torch.empty_like(rec.old_logp)
     with torch.no_grad():
@@ -147,7 +147,7 @@ def test_dit_loss_uses_the_transformer_settings_not_the_llm_settings(model, clea
     perturb_dit_lora(model)
     out = model._loss("transformer", clean_exp)
     logp, kl = dit_terms(model, clean_exp)
-    rec = clean_exp.dit
+    rec = clean_exp.records["diffusion_denoise"]
     adv = clean_exp.advantages["diffusion_denoise"]
     args = (logp.flatten(), rec.old_logp.flatten(), adv.repeat_interleave(rec.num_steps))
     own = flow_grpo_loss(*args, kl=kl.flatten(), **DIT_LOSS)
@@ -194,7 +194,7 @@ def test_recorded_step_noise_is_standard_normal(model, clean_exp):
     so 5-sd bounds (0.055 and 0.08) fail a correct sampler with probability ~1e-6. The ODE sample gives
     eps = -sqrt(-dt) std (x + (1 - s) v) / (2 s), with variance ~0.1 here.
     """
-    rec = clean_exp.dit
+    rec = clean_exp.records["diffusion_denoise"]
     assert rec is not None
     for step in range(rec.num_steps):
         eps = []
@@ -229,10 +229,14 @@ def test_c2_holds_bitwise_with_guidance_and_fires_when_the_recompute_drops_it(gu
     """Fault: rollout uses classifier-free guidance, the training recompute does not."""
     model, dm = guided
     exp = collect(model, dm)
-    assert exp.dit is not None and exp.dit.uncond is not None, "guidance 3.0 records the unconditional features"
+    assert exp.records["diffusion_denoise"] is not None and exp.records["diffusion_denoise"].uncond is not None, (
+        "guidance 3.0 records the unconditional features"
+    )
     stats = LogProbIdentityCheck().check(model, exp)["transformer"]
     assert stats["frac_bitwise_equal"] == 1.0 and stats["max_abs_diff"] == 0.0
-    unguided = replace(exp, records={**exp.records, "diffusion_denoise": replace(exp.dit, uncond=None)})
+    unguided = replace(
+        exp, records={**exp.records, "diffusion_denoise": replace(exp.records["diffusion_denoise"], uncond=None)}
+    )
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, unguided)
     original = DiffusionDenoise.step_logprob

@@ -56,13 +56,13 @@ def collect(model, dm, prompts=PROMPTS, request_ids=REQUEST_IDS) -> Experience:
 def fingerprint(exp: Experience) -> str:
     """SHA-256 of everything a rollout produces: tokens, log-probs, latents, images, rewards, texts."""
     h = hashlib.sha256()
-    assert exp.lm is not None and exp.dit is not None
+    assert exp.lm is not None and exp.records["diffusion_denoise"] is not None
     for t in (
         exp.lm.input_ids,
         exp.lm.old_logp,
-        exp.dit.prev,
-        exp.dit.sample,
-        exp.dit.old_logp,
+        exp.records["diffusion_denoise"].prev,
+        exp.records["diffusion_denoise"].sample,
+        exp.records["diffusion_denoise"].old_logp,
         exp.images,
         exp.rewards,
         exp.advantages["ar_decode"],
@@ -143,8 +143,9 @@ def position_seeded_generators(monkeypatch) -> None:
 
 def with_config(loop, **changes):
     """A new loop of the same kind over the same model, with some sampling settings changed."""
-    model = loop.llm if isinstance(loop, ARDecode) else loop.generator
-    return type(loop)(model, replace(loop.config, **changes))
+    if isinstance(loop, ARDecode):
+        return ARDecode(loop.llm, replace(loop.config, **changes))
+    return type(loop)(loop.generator, replace(loop.config, **changes), loop.algorithm)
 
 
 # ---------------------------------------------------------------------------------------------- C2
@@ -397,14 +398,14 @@ def _split_like_two_ranks(model, dm):
 
 def _rank_split_diffs(whole: Experience, parts: list[Experience]) -> dict[str, float]:
     cat = torch.cat
-    assert whole.lm is not None and whole.dit is not None
+    assert whole.lm is not None and whole.records["diffusion_denoise"] is not None
     lm = [p.lm for p in parts]
-    dit = [p.dit for p in parts]
+    dit = [p.records["diffusion_denoise"] for p in parts]
     return {
         "refined_equal": float(whole.refined == parts[0].refined + parts[1].refined),
-        "initial_noise": max_abs_diff(whole.dit.prev[:, 0], cat([d.prev[:, 0] for d in dit])),
+        "initial_noise": max_abs_diff(whole.records["diffusion_denoise"].prev[:, 0], cat([d.prev[:, 0] for d in dit])),
         "lm_logp": max_abs_diff(whole.lm.old_logp.sum(1), cat([r.old_logp.sum(1) for r in lm])),
-        "dit_logp": max_abs_diff(whole.dit.old_logp, cat([d.old_logp for d in dit])),
+        "dit_logp": max_abs_diff(whole.records["diffusion_denoise"].old_logp, cat([d.old_logp for d in dit])),
         "images": max_abs_diff(whole.images, cat([p.images for p in parts])),
         "rewards": max_abs_diff(whole.rewards, cat([p.rewards for p in parts])),
     }

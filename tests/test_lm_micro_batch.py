@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import TINY
-from unirl_pl.algorithms import DAPO, GSPO, TokenGRPO
+from unirl_pl.algorithms import DAPO, GSPO, LossInputs, TokenGRPO
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.method import ExpertLoss
@@ -67,8 +67,8 @@ def _loss_and_grads(model, record, advantages, algorithm, settings, micro: int |
 
     handle = expert.register_forward_pre_hook(lambda *_: events.append("forward"))
     try:
-        out = algorithm.loss(loop, record, advantages, settings, expert.adapter_disabled, backward=backward,
-                             anchor=anchor)  # fmt: skip
+        inputs = LossInputs(loop, record, advantages, settings, expert.adapter_disabled, anchor)
+        out = algorithm.loss(inputs, backward)
     finally:
         handle.remove()
         loop.config = replace(loop.config, lm_micro_batch_size=None)

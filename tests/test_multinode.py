@@ -63,7 +63,7 @@ class RolloutDump(pl.Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        dit = batch.dit
+        dit = batch.records["diffusion_denoise"]
         logp = getattr(dit, "old_logp", None) if dit is not None else None
         row = {
             "step": trainer.global_step,

@@ -25,6 +25,7 @@ from transformers import (
 
 from tests.chat_lm import make_qwen2_chat_lm
 from tests.pipelines import make_sd3_pipeline
+from unirl_pl.algorithms import FlowGRPO
 from unirl_pl.cli import main
 from unirl_pl.generators import SD3Generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
@@ -119,7 +120,9 @@ def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit
 
 def _update_peak(generator: SD3Generator, samples: int, micro_batch: int | None) -> int:
     """Bytes the DiT update adds at its peak over what is resident before it, for one prompt's ``samples``."""
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), micro_batch_size=micro_batch))
+    loop = DiffusionDenoise(
+        generator, RolloutConfig(num_steps=4, sde_window=(0, 2), micro_batch_size=micro_batch), FlowGRPO()
+    )
     cond = generator.encode(["a red cat on the left"] * samples)
     _, record = loop.sample(cond, [0] * samples, list(range(samples)), "rollout", seed=0)
     for param in generator.parameters():

@@ -15,6 +15,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from tests.pipelines import make_flux_pipeline, make_sd3_pipeline, make_wan_pipeline
+from unirl_pl.algorithms import FlowGRPO
 from unirl_pl.generators import load_generator
 from unirl_pl.generators.schedule import FIRST_SIGMA_SNAP, scheduler_sigmas
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig, write_schedule
@@ -125,7 +126,7 @@ def test_sd35_ten_steps_are_the_published_schedule(tmp_path):
 def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
     folder = _with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
     generator = load_generator(folder, height=32, width=32)
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=1.0))
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=1.0), FlowGRPO())
     torch.testing.assert_close(loop.sigmas(4), flow_sigmas(4, 1.0), rtol=0, atol=0)
     described = write_schedule(loop, tmp_path / "run")
     assert "model.rollout.shift=1.0" in described["source"] and "overriding" in described["source"]
@@ -137,7 +138,7 @@ def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
 def test_schedule_json_describes_the_pipeline_schedule_and_sde_steps(tmp_path):
     folder = _with_scheduler(make_flux_pipeline(tmp_path / "flux"), FLUX_DEV)
     generator = load_generator(folder, height=32, width=32)
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=6, sde_window=(1, 4)))
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=6, sde_window=(1, 4)), FlowGRPO())
     on_disk = write_schedule(loop, tmp_path / "run")
     assert on_disk == json.loads((tmp_path / "run" / "schedule.json").read_text())
     assert on_disk["sigmas"] == generator.schedule(6).sigmas.tolist()

@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from unirl_pl.errors import InputError
+from unirl_pl.layout import GroupLayout
 from unirl_pl.manifest import verify_assets
-from unirl_pl.method.advantages import GroupLayout
 
 DEFAULT_PROMPTS = (
     "a red circle",

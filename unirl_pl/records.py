@@ -188,9 +188,3 @@ class Experience:
         record = self.records.get("ar_decode")
         assert record is None or isinstance(record, LMRecord)
         return record
-
-    @property
-    def dit(self) -> DiTRecord | None:
-        """The ``diffusion_denoise`` record, if training captured one of the likelihood kind (a ``DiTRecord``)."""
-        record = self.records.get("diffusion_denoise")
-        return record if isinstance(record, DiTRecord) else None

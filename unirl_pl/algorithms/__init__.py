@@ -6,7 +6,7 @@ Generator (``model.generator_algorithm``): :class:`FlowGRPO` (the default; ``gua
 ``recipes/algorithms/<name>.yaml`` selects one.
 """
 
-from unirl_pl.algorithms.base import Algorithm, GeneratorAlgorithm, RefinerAlgorithm
+from unirl_pl.algorithms.base import Algorithm, GeneratorAlgorithm, LossInputs, RefinerAlgorithm
 from unirl_pl.algorithms.cps import FlowCPS
 from unirl_pl.algorithms.diffusion_nft import DiffusionNFT
 from unirl_pl.algorithms.flow_grpo import FlowGRPO
@@ -24,6 +24,7 @@ __all__ = [
     "FlowGRPO",
     "FlowGRPOFast",
     "GeneratorAlgorithm",
+    "LossInputs",
     "MixGRPO",
     "RefinerAlgorithm",
     "TokenGRPO",

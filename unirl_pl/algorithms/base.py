@@ -20,9 +20,9 @@ import torch
 from torch import Tensor
 
 from unirl_pl.distributed import token_loss_weight
-from unirl_pl.loops.config import RolloutConfig, StepPlan, chunk_bounds
+from unirl_pl.loops.config import RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import add_part, weighted_loss
+from unirl_pl.method.grpo import LossInputs, add_part, weighted_loss
 from unirl_pl.records import Experience
 
 Reference = Callable[[], AbstractContextManager[None]]
@@ -61,22 +61,12 @@ class Algorithm:
     def end_step(self, step: int) -> None:
         """Called after step ``step``'s optimizer updates were applied (not on a skipped step)."""
 
-    def loss(
-        self,
-        loop: Any,
-        record: Any,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        *,
-        backward: Backward | None = None,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
-        """The loss of ``record`` under the current weights, with the expert's ``settings`` (``ExpertLoss``).
+    def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
+        """The loss of ``inputs.record`` under the current weights, with the expert's ``inputs.settings``.
 
         ``backward``, when given, may be called on each term as soon as it is built (the returned loss is
-        then marked ``backpropagated``); ``anchor`` is the first PPO epoch's recomputed log-probs when a
-        rollout correction is on.
+        then marked ``backpropagated``); ``inputs.anchor`` is the first PPO epoch's recomputed log-probs when
+        a rollout correction is on.
         """
         raise NotImplementedError
 
@@ -119,23 +109,10 @@ class GeneratorAlgorithm(Algorithm):
         """The stochastic steps of one rollout of these samples."""
         raise NotImplementedError
 
-    def rollout(
-        self,
-        loop: Any,
-        cond: Any,
-        request_ids: Any,
-        sample_indices: Any,
-        *,
-        seed: int,
-        version: int = 0,
-        uncond: Any = None,
-        num_steps: Any = None,
-    ) -> tuple[Tensor, Any]:
+    def rollout(self, loop: Any, request: SampleRequest) -> tuple[Tensor, Any]:
         """Latents and the behavior record of one ``rollout``-profile sampling (the loop's ``run`` of :meth:`plan`)."""
-        plan = self.plan(loop.config, seed, list(request_ids), list(sample_indices))
-        return loop.run(
-            cond, request_ids, sample_indices, plan, seed=seed, version=version, uncond=uncond, num_steps=num_steps
-        )
+        plan = self.plan(loop.config, request.seed, list(request.request_ids), list(request.sample_indices))
+        return loop.run(request, plan)
 
     def describe(self, config: RolloutConfig) -> dict[str, Any]:
         """What ``schedule.json`` says about the algorithm: ``sde_steps``, the trained denoising steps."""
@@ -168,42 +145,23 @@ class RefinerAlgorithm(Algorithm):
         token mean, (R,) refinements with a real token for a mean over refinements."""
         return record.gen_mask
 
-    def chunk_loss(
-        self,
-        loop: Any,
-        record: Any,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
-        """The loss of the rows of ``record`` (its mean over their :meth:`units`), with ``logp`` set to the
-        detached recomputed token log-probs."""
+    def chunk_loss(self, inputs: LossInputs) -> LossOutput:
+        """The loss of the rows of ``inputs.record`` (its mean over their :meth:`units`), with ``logp`` set to
+        the detached recomputed token log-probs."""
         raise NotImplementedError
 
-    def loss(
-        self,
-        loop: Any,
-        record: Any,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        *,
-        backward: Backward | None = None,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
-        size = loop.config.lm_micro_batch_size
+    def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
+        record = inputs.record
+        size = inputs.loop.config.lm_micro_batch_size
         if size is None:  # one forward; the caller backpropagates the returned loss
-            return self.chunk_loss(loop, record, advantages, settings, reference, anchor)
+            return self.chunk_loss(inputs)
         bounds = chunk_bounds(record.input_ids.shape[0], size)
         per_row = self.units(record).reshape(record.input_ids.shape[0], -1).sum(1).double()
         # Every chunk's share in one device-to-host copy, not one sync per chunk.
         shares = (torch.stack([per_row[a:b].sum() for a, b in bounds]) / per_row.sum().clamp_min(1)).tolist()
         parts: list[tuple[float, LossOutput]] = []
         for (a, b), share in zip(bounds, shares, strict=True):
-            sub = None if anchor is None else anchor[a:b]
-            out = self.chunk_loss(loop, record.slice(a, b), advantages[a:b], settings, reference, sub)
-            add_part(parts, share, out, backward)
+            add_part(parts, share, self.chunk_loss(inputs.rows(a, b)), backward)
         logp = torch.cat([out.logp for _, out in parts])
         return replace(weighted_loss(parts, backpropagated=backward is not None), logp=logp)
 

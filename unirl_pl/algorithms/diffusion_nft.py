@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from unirl_pl.algorithms.base import Backward, GateValues, GeneratorAlgorithm, Reference
-from unirl_pl.loops.config import RolloutConfig, StepPlan, chunk_bounds
+from unirl_pl.algorithms.base import Backward, GateValues, GeneratorAlgorithm, LossInputs
+from unirl_pl.loops.config import RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.loops.diffusion_denoise import sigma_table
 from unirl_pl.losses import LossOutput, nft_loss, optimality_probability
 from unirl_pl.method.grpo import add_part, weighted_loss
@@ -153,30 +153,19 @@ class DiffusionNFT(GeneratorAlgorithm):
         return StepPlan.ode(len(request_ids))
 
     @torch.no_grad()
-    def rollout(
-        self,
-        loop: Any,
-        cond: Any,
-        request_ids: Any,
-        sample_indices: Any,
-        *,
-        seed: int,
-        version: int = 0,
-        uncond: Any = None,
-        num_steps: Any = None,
-    ) -> tuple[Tensor, FlowPointsRecord]:
+    def rollout(self, loop: Any, request: SampleRequest) -> tuple[Tensor, FlowPointsRecord]:
         """ODE samples of the old policy without guidance, and the training points with its velocity there."""
-        ids, idx = list(request_ids), list(sample_indices)
+        ids, idx, num_steps = list(request.request_ids), list(request.sample_indices), request.num_steps
         n, points = len(ids), self.num_points(loop.config)
         steps = [loop.config.num_steps] * n if num_steps is None else [int(c) for c in num_steps]
         if len(steps) == n and min(steps) < points:
             raise ValueError(f"every request needs >= {points} steps (DiffusionNFT's training points), got {steps}")
         with self.old_policy():
-            latents, _ = loop.run(cond, ids, idx, StepPlan.ode(n), seed=seed, version=version, num_steps=num_steps)
+            latents, _ = loop.run(replace(request, uncond=None), StepPlan.ode(n))
             table = sigma_table(steps, loop.sigmas)
             t = torch.empty(n, points, dtype=torch.float64)
             noise = []
-            for i, g in enumerate(sample_generators(seed, ids, idx, STREAM_POINTS)):
+            for i, g in enumerate(sample_generators(request.seed, ids, idx, STREAM_POINTS)):
                 order = torch.randperm(steps[i], generator=g)[:points]
                 t[i] = table[i, order]
                 noise.append(torch.randn(points, *latents.shape[1:], generator=g))
@@ -189,9 +178,9 @@ class DiffusionNFT(GeneratorAlgorithm):
                 xt=xt,
                 t=t32,
                 old_v=torch.empty_like(xt),
-                cond=cond,
+                cond=request.cond,
                 chunks=chunk_bounds(n, loop.config.micro_batch_size),
-                version=version,
+                version=request.version,
             )
             record.old_v.copy_(self.velocities(loop, record))
         return latents, record
@@ -211,26 +200,17 @@ class DiffusionNFT(GeneratorAlgorithm):
         )
 
     # ------------------------------------------------------------------ the loss and the gate
-    def loss(
-        self,
-        loop: Any,
-        record: FlowPointsRecord,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        *,
-        backward: Backward | None = None,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
+    def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         """The mean over (sample, point) of :func:`nft_loss`, each (point, micro-batch) term backpropagated at once."""
+        loop, record, settings = inputs.loop, inputs.record, inputs.settings
         n = record.x0.shape[0]
         parts: list[tuple[float, LossOutput]] = []
-        r = optimality_probability(advantages.float(), self.adv_clip_max)
+        r = optimality_probability(inputs.advantages.float(), self.adv_clip_max)
         for j, (a, b) in record.points():
             v = self.velocity(loop, record, j, (a, b))
             ref = None
             if settings.beta > 0:
-                with torch.no_grad(), reference():
+                with torch.no_grad(), inputs.reference():
                     ref = self.velocity(loop, record, j, (a, b))
             out = nft_loss(
                 v,

@@ -10,18 +10,15 @@ mean-drift bias removed, and each step's surrogate reweighted by ``1 / -dt``.
 from __future__ import annotations
 
 import weakref
-from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from unirl_pl.algorithms.base import Backward, GeneratorAlgorithm, Reference
+from unirl_pl.algorithms.base import Backward, GeneratorAlgorithm, LossInputs
 from unirl_pl.loops.config import RolloutConfig, StepPlan
 from unirl_pl.losses import LossOutput, grpo_guard_loss
 from unirl_pl.method import grpo
-from unirl_pl.method.grpo import add_part, anchor_and_weights, weighted_loss
-from unirl_pl.records import DiTRecord
 
 
 class FlowGRPO(GeneratorAlgorithm):
@@ -61,58 +58,44 @@ class FlowGRPO(GeneratorAlgorithm):
         return self.window(config)[1]
 
     # ------------------------------------------------------------------ the loss
-    def loss(
-        self,
-        loop: Any,
-        record: DiTRecord,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        *,
-        backward: Backward | None = None,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
+    def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         if not self.guard:
-            return grpo.dit_loss(loop, record, advantages, settings, reference, backward=backward, anchor=anchor)
-        return self._guard_loss(loop, record, advantages, settings, reference, backward, anchor)
+            i = inputs
+            return grpo.dit_loss(i.loop, i.record, i.advantages, i.settings, i.reference, backward, i.anchor)
+        return self._guard_loss(inputs, backward)
 
-    def _guard_loss(
-        self,
-        loop: Any,
-        record: DiTRecord,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        backward: Backward | None,
-        anchor: Tensor | None,
-    ) -> LossOutput:
+    def _guard_loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         """:func:`grpo.dit_loss` with GRPO-Guard's term per (step, micro-batch)."""
+        record, advantages, settings = inputs.record, inputs.advantages, inputs.settings
         kept = self._old_means
         old_means = kept[1] if kept is not None and kept[0]() is record else None
         first = old_means is None
         if first:
             old_means = torch.empty_like(record.sample, dtype=torch.float32)
-        total = record.old_logp.numel()
-        parts: list[tuple[float, LossOutput]] = []
-        recomputed = torch.empty_like(record.old_logp)
-        for step, (a, b) in record.steps():
-            logp, mean, std = loop.step_logprob(record, step, (a, b))
-            recomputed[a:b, step] = logp.detach()
+
+        def term(
+            step: int,
+            rows: slice,
+            logp: Tensor,
+            mean: Tensor,
+            std: Tensor,
+            kl: Tensor | None,
+            old: Tensor,
+            weights: Any,
+        ) -> LossOutput:
             if first:
-                old_means[a:b, step] = mean.detach()
-            kl = grpo.step_kl(loop, record, step, (a, b), mean, std, settings.beta, reference)
-            s, s_next, _ = record.step_sigmas(step, (a, b))
+                old_means[rows, step] = mean.detach()
+            s, s_next, _ = record.step_sigmas(step, (rows.start, rows.stop))
+            n = rows.stop - rows.start
             dt = torch.as_tensor(s_next, dtype=torch.float32) - torch.as_tensor(s, dtype=torch.float32)
-            dt = dt.expand(b - a).to(logp.device)
-            scale = std.reshape(std.shape[0], -1)[:, 0].expand(b - a) * torch.sqrt(-dt)
-            behavior = record.old_logp[a:b, step]
-            old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
-            out = grpo_guard_loss(
+            dt = dt.expand(n).to(logp.device)
+            scale = std.reshape(std.shape[0], -1)[:, 0].expand(n) * torch.sqrt(-dt)
+            return grpo_guard_loss(
                 logp,
                 old,
-                advantages[a:b],
+                advantages[rows],
                 mean,
-                old_means[a:b, step],
+                old_means[rows, step],
                 scale,
                 dt,
                 kl=kl,
@@ -120,7 +103,8 @@ class FlowGRPO(GeneratorAlgorithm):
                 beta=settings.beta,
                 is_weights=weights,
             )
-            add_part(parts, (b - a) / total, out, backward)
+
+        out = grpo.per_step_loss(inputs, term, backward)
         if first:
             self._old_means = (weakref.ref(record), old_means)
-        return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)
+        return out

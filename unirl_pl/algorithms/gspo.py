@@ -8,15 +8,11 @@ its ratio is too: a single outlier token no longer decides the clip of its seque
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
-
 from torch import Tensor
 
-from unirl_pl.algorithms.base import Reference, RefinerAlgorithm
+from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
 from unirl_pl.losses import LossOutput, gspo_loss
 from unirl_pl.method import grpo
-from unirl_pl.method.grpo import anchor_and_weights
 from unirl_pl.records import LMRecord
 
 
@@ -34,29 +30,23 @@ class GSPO(RefinerAlgorithm):
             raise ValueError(f"clip ranges must be > 0, got {clip_eps_low} and {clip_eps_high}")
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
 
-    def chunk_loss(
-        self,
-        loop: Any,
-        record: LMRecord,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
-        logp, ref = grpo.score_with_reference(loop, record, settings, reference)
-        old, weights = anchor_and_weights(logp, record.old_logp, settings, anchor)
-        out = gspo_loss(
-            logp,
-            old,
-            advantages,
-            record.gen_mask,
-            ref_logp=ref,
-            eps_low=self.clip_eps_low,
-            eps_high=self.clip_eps_high,
-            beta=settings.beta,
-            is_weights=weights,
-        )
-        return replace(out, logp=logp.detach())
+    def chunk_loss(self, inputs: LossInputs) -> LossOutput:
+        advantages, record, settings = inputs.advantages, inputs.record, inputs.settings
+
+        def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
+            return gspo_loss(
+                logp,
+                old,
+                advantages,
+                record.gen_mask,
+                ref_logp=ref,
+                eps_low=self.clip_eps_low,
+                eps_high=self.clip_eps_high,
+                beta=settings.beta,
+                is_weights=weights,
+            )
+
+        return grpo.token_loss(inputs, term)
 
     def units(self, record: LMRecord) -> Tensor:
         # The policy term averages refinements (those with a real token).

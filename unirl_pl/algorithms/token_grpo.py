@@ -9,15 +9,13 @@ advantage can grow, and aggregates over tokens (``token_mean``) rather than per 
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 from torch import Tensor
 
-from unirl_pl.algorithms.base import Reference, RefinerAlgorithm
+from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
 from unirl_pl.losses import LossOutput, refiner_token_loss
 from unirl_pl.method import grpo
-from unirl_pl.method.grpo import anchor_and_weights
 from unirl_pl.records import LMRecord
 
 Aggregation = Literal["token_mean", "sequence_mean"]
@@ -46,32 +44,27 @@ class TokenGRPO(RefinerAlgorithm):
         """Whether this is the project's original loss (symmetric clip, token mean)."""
         return self.clip_eps_high is None and self.aggregation == "token_mean"
 
-    def chunk_loss(
-        self,
-        loop: Any,
-        record: LMRecord,
-        advantages: Tensor,
-        settings: Any,
-        reference: Reference,
-        anchor: Tensor | None = None,
-    ) -> LossOutput:
+    def chunk_loss(self, inputs: LossInputs) -> LossOutput:
         if self.plain:
-            return grpo.lm_loss(loop, record, advantages, settings, reference, anchor=anchor)
-        logp, ref = grpo.score_with_reference(loop, record, settings, reference)
-        old, weights = anchor_and_weights(logp, record.old_logp, settings, anchor)
-        out = refiner_token_loss(
-            logp,
-            old,
-            advantages,
-            record.gen_mask,
-            ref_logp=ref,
-            eps_low=settings.clip_eps,
-            eps_high=settings.clip_eps if self.clip_eps_high is None else self.clip_eps_high,
-            beta=settings.beta,
-            aggregation=self.aggregation,
-            is_weights=weights,
-        )
-        return replace(out, logp=logp.detach())
+            i = inputs
+            return grpo.lm_loss(i.loop, i.record, i.advantages, i.settings, i.reference, anchor=i.anchor)
+        advantages, record, settings = inputs.advantages, inputs.record, inputs.settings
+
+        def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
+            return refiner_token_loss(
+                logp,
+                old,
+                advantages,
+                record.gen_mask,
+                ref_logp=ref,
+                eps_low=settings.clip_eps,
+                eps_high=settings.clip_eps if self.clip_eps_high is None else self.clip_eps_high,
+                beta=settings.beta,
+                aggregation=self.aggregation,
+                is_weights=weights,
+            )
+
+        return grpo.token_loss(inputs, term)
 
     def units(self, record: LMRecord) -> Tensor:
         return record.gen_mask if self.aggregation == "token_mean" else record.gen_mask.any(1)

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from unirl_pl.experts._common import check_divisible, check_positive, seeded_cpu_init
 from unirl_pl.experts.base import LoRAExpert
 from unirl_pl.experts.chat import ChatFormat, format_requests, is_end_of_turn, parse_reply
-from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
+from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer, special_token_ids
 from unirl_pl.manifest import verify_assets
 
 DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -144,9 +144,7 @@ class CausalLMExpert(LoRAExpert):
             tie_word_embeddings=True,
             attention_dropout=0.0,
             initializer_range=self.initializer_range,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.bos_token_id,
+            **special_token_ids(tokenizer),
         )
 
     def _attach_lora(self, model: Qwen2ForCausalLM) -> PeftModel:

@@ -13,7 +13,7 @@ from transformers import (
 
 from unirl_pl.experts._common import check_divisible, check_positive, freeze, seeded_cpu_init
 from unirl_pl.experts.base import FrozenExpert
-from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer
+from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer, special_token_ids
 from unirl_pl.manifest import verify_assets
 
 
@@ -90,9 +90,7 @@ class TextEncoderExpert(FrozenExpert):
             num_attention_heads=self.num_attention_heads,
             max_position_embeddings=self.max_length,
             # CLIP pools at the first ``eos_token_id``; the legacy value 2 would switch it to argmax.
-            eos_token_id=tokenizer.eos_token_id,
-            bos_token_id=tokenizer.bos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
+            **special_token_ids(tokenizer),
         )
 
     def build(self) -> None:

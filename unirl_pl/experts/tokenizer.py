@@ -79,6 +79,15 @@ def build_word_tokenizer(words: Sequence[str] = DEFAULT_WORDS, padding_side: str
     )
 
 
+def special_token_ids(tokenizer: PreTrainedTokenizerBase) -> dict[str, int | None]:
+    """The pad, end and start token ids of ``tokenizer`` as a model config's keyword arguments."""
+    return {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+    }
+
+
 def load_tokenizer(path: str, subfolder: str | None = None) -> PreTrainedTokenizerBase:
     """Load a tokenizer from a local folder or hub id (optionally a ``subfolder``) with the same code
     for real checkpoints and saved word tokenizers.

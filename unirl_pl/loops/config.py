@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 Profile = Literal["serve", "rollout"]
 """``serve``: no grad, greedy tokens, ODE (deterministic). ``rollout``: no grad, sampled tokens and the SDE
@@ -132,3 +133,27 @@ def chunk_bounds(n: int, size: int | None) -> list[tuple[int, int]]:
     """Consecutive ``[start, end)`` slices of at most ``size`` items (one slice when size is None)."""
     size = n if size is None else size
     return [(i, min(i + size, n)) for i in range(0, n, max(size, 1))]
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One batch of generator samples to draw: what ``DiffusionDenoise.sample`` was asked for.
+
+    Args:
+        cond: The conditioning features of every sample (rows of each tensor).
+        request_ids: Each sample's request (prompt) id: with ``sample_indices`` and ``seed`` it keys the
+            sample's own noise generator.
+        sample_indices: Each sample's index within its request.
+        seed: The step's sampling seed.
+        version: The generator's weight version, stamped on the record.
+        uncond: The unconditional features for guidance (None: unguided).
+        num_steps: Each sample's own step count (None: the config's for all).
+    """
+
+    cond: Any
+    request_ids: Sequence[int]
+    sample_indices: Sequence[int]
+    seed: int
+    version: int = 0
+    uncond: Any = None
+    num_steps: Sequence[int] | None = None

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from unirl_pl.distributed import agree_max
 from unirl_pl.generators.schedule import Schedule
-from unirl_pl.loops.config import Profile, RolloutConfig, StepPlan, chunk_bounds
+from unirl_pl.loops.config import Profile, RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
 from unirl_pl.sampling import STOCHASTIC_STEPS, flow_sigmas, ode_step
 from unirl_pl.seeding import STREAM_NOISE, sample_generators
@@ -56,14 +56,11 @@ class DiffusionDenoise:
         generator: Anything with ``latent_shape`` (per sample) and ``velocity(latents, sigma, cond)``.
         config: Sampling settings (steps, shift, noise level, SDE window, micro-batch, guidance).
         algorithm: The generator's training algorithm (:mod:`unirl_pl.algorithms`): it decides what the
-            ``rollout`` profile runs and records (None: Flow-GRPO on ``config``'s SDE window).
+            ``rollout`` profile runs and records. None: the loop only serves (the ODE), as for validation
+            of a pretrained generator; the module always passes one.
     """
 
     def __init__(self, generator: Any, config: RolloutConfig, algorithm: Any = None) -> None:
-        if algorithm is None:
-            from unirl_pl.algorithms.flow_grpo import FlowGRPO  # the algorithms import the loops
-
-            algorithm = FlowGRPO()
         self.generator, self.config, self.algorithm = generator, config, algorithm
 
     def schedule(self, num_steps: int) -> Schedule:
@@ -90,14 +87,14 @@ class DiffusionDenoise:
         schedule = self.schedule(self.config.num_steps)
         return {
             "sigmas": schedule.sigmas.tolist(),
-            **self.algorithm.describe(self.config),
+            **(self.algorithm.describe(self.config) if self.algorithm is not None else {"sde_steps": []}),
             "source": schedule.source,
             **({"details": schedule.details} if schedule.details else {}),
         }
 
     def least_steps(self) -> int:
         """The fewest denoising steps a ``rollout`` request may run (its algorithm's stochastic steps must fit)."""
-        return int(self.algorithm.least_steps(self.config))
+        return int(self.algorithm.least_steps(self.config)) if self.algorithm is not None else 1
 
     def velocity(self, x: Tensor, sigma: float | Tensor, cond: Cond, uncond: Cond | None) -> Tensor:
         """The (guided) velocity at ``sigma``: ``v_u + g * (v_c - v_u)`` when guidance is on.
@@ -136,29 +133,16 @@ class DiffusionDenoise:
         per-sample. In ``rollout`` every count must reach the end of the sample's stochastic steps, so all
         samples are in the batch for every recorded step and the recompute sees the same composition.
         """
+        request = SampleRequest(cond, list(request_ids), list(sample_indices), seed, version, uncond, num_steps)
         if profile == "rollout":
-            return self.algorithm.rollout(
-                self, cond, request_ids, sample_indices, seed=seed, version=version, uncond=uncond, num_steps=num_steps
-            )
-        plan = StepPlan.ode(len(request_ids))
-        return self.run(
-            cond, request_ids, sample_indices, plan, seed=seed, version=version, uncond=uncond, num_steps=num_steps
-        )
+            if self.algorithm is None:
+                raise ValueError("the rollout profile needs the generator's training algorithm; this loop only serves")
+            return self.algorithm.rollout(self, request)
+        return self.run(request, StepPlan.ode(len(request.request_ids)))
 
     @torch.no_grad()
-    def run(
-        self,
-        cond: Cond,
-        request_ids: Sequence[int],
-        sample_indices: Sequence[int],
-        plan: StepPlan,
-        *,
-        seed: int,
-        version: int = 0,
-        uncond: Cond | None = None,
-        num_steps: Sequence[int] | None = None,
-    ) -> tuple[Tensor, DiTRecord | None]:
-        """Run ``plan``: the ODE everywhere but each sample's stochastic steps, which are recorded.
+    def run(self, request: SampleRequest, plan: StepPlan) -> tuple[Tensor, DiTRecord | None]:
+        """Run ``plan`` on ``request``: the ODE everywhere but each sample's stochastic steps, which are recorded.
 
         A denoising step where every live sample is stochastic (or none is) runs as one batched step; where
         some are, the ODE step of the others and the stochastic step of those are each elementwise, so every
@@ -166,6 +150,8 @@ class DiffusionDenoise:
         the order of its own stochastic steps only.
         """
         cfg = self.config
+        cond, request_ids, sample_indices = request.cond, request.request_ids, request.sample_indices
+        seed, version, uncond, num_steps = request.seed, request.version, request.uncond, request.num_steps
         n = len(request_ids)
         if len(plan.starts) != n:
             raise ValueError(f"the step plan has {len(plan.starts)} starts for {n} requests")

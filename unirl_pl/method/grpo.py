@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -65,6 +65,25 @@ Reference = Callable[[], AbstractContextManager[None]]
 """A context in which the expert is its reference policy (its adapter disabled)."""
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """What one expert's loss reads: its loop, its record of the rollout, the advantages of the record's rows,
+    its loss settings (``ExpertLoss``), its reference policy and, under a rollout correction, the anchor (the
+    first PPO epoch's recomputed log-probs, None before that)."""
+
+    loop: Any
+    record: Any
+    advantages: Tensor
+    settings: Any
+    reference: Reference
+    anchor: Tensor | None = None
+
+    def rows(self, a: int, b: int) -> LossInputs:
+        """The same inputs restricted to record rows ``[a, b)``."""
+        anchor = None if self.anchor is None else self.anchor[a:b]
+        return replace(self, record=self.record.slice(a, b), advantages=self.advantages[a:b], anchor=anchor)
+
+
 def anchor_and_weights(
     logp: Tensor, behavior: Tensor, settings: ExpertLoss, anchor: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -104,23 +123,33 @@ def lm_loss(
 ) -> LossOutput:
     """Token-level GRPO of the refiner over the generated tokens of ``record``; ``anchor`` is the first PPO
     epoch's recomputed log-probs when a rollout correction is on (see :func:`anchor_and_weights`)."""
-    logp = loop.score(record)
-    ref = None
-    if settings.beta > 0:
-        with torch.no_grad(), reference():
-            ref = loop.score(record)
-    old, weights = anchor_and_weights(logp, record.old_logp, settings, anchor)
-    out = grpo_token_loss(
-        logp,
-        old,
-        advantages,
-        record.gen_mask,
-        ref_logp=ref,
-        clip_eps=settings.clip_eps,
-        beta=settings.beta,
-        is_weights=weights,
-    )
-    return replace(out, logp=logp.detach())
+
+    def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
+        return grpo_token_loss(
+            logp,
+            old,
+            advantages,
+            record.gen_mask,
+            ref_logp=ref,
+            clip_eps=settings.clip_eps,
+            beta=settings.beta,
+            is_weights=weights,
+        )
+
+    return token_loss(LossInputs(loop, record, advantages, settings, reference, anchor), term)
+
+
+# (recomputed token log-probs, old log-probs, reference log-probs or None, importance weights or None)
+TokenTerm = Callable[[Tensor, Tensor, Any, Any], LossOutput]
+
+
+def token_loss(inputs: LossInputs, term: TokenTerm) -> LossOutput:
+    """A refiner loss ``term(logp, old, ref, weights)`` of ``record``'s tokens re-scored under the current
+    weights, the reference scored when ``settings.beta > 0`` and the old log-probs the behavior ones (or
+    the anchor under a rollout correction); its log-probs are the detached recomputed ones (what C2 compares)."""
+    logp, ref = score_with_reference(inputs.loop, inputs.record, inputs.settings, inputs.reference)
+    old, weights = anchor_and_weights(logp, inputs.record.old_logp, inputs.settings, inputs.anchor)
+    return replace(term(logp, old, ref, weights), logp=logp.detach())
 
 
 def dit_loss(
@@ -140,25 +169,41 @@ def dit_loss(
     loss is then detached and marked ``backpropagated``); without it the terms are summed into one graph.
     ``anchor`` (N, S) is the first PPO epoch's recompute when a rollout correction is on.
     """
+
+    def term(
+        step: int, rows: slice, logp: Tensor, mean: Tensor, std: Tensor, kl: Tensor | None, old: Tensor, weights: Any
+    ) -> LossOutput:
+        return flow_grpo_loss(
+            logp, old, advantages[rows], kl=kl, clip_eps=settings.clip_eps, beta=settings.beta, is_weights=weights
+        )
+
+    return per_step_loss(LossInputs(loop, record, advantages, settings, reference, anchor), term, backward)
+
+
+# (step, rows, recomputed log-prob, step mean, step std, KL or None, old log-prob, importance weights or None)
+StepTerm = Callable[[int, slice, Tensor, Tensor, Tensor, Any, Tensor, Any], LossOutput]
+
+
+def per_step_loss(inputs: LossInputs, term: StepTerm, backward: Callable[[Tensor], None] | None = None) -> LossOutput:
+    """The mean over the recorded (sample, step) pairs of ``term``, one (step, micro-batch) at a time.
+
+    For each slice the step is re-scored under the current weights (log-prob, mean, std), its KL to the
+    reference is built when ``settings.beta > 0``, and the behavior (or, with a rollout correction, the
+    anchor) log-prob and its importance weights are chosen; ``term(step, rows, logp, mean, std, kl, old,
+    weights)`` turns them into the slice's loss. The log-probs of the returned loss are the recomputed ones
+    (what C2 compares).
+    """
+    loop, record, settings, anchor = inputs.loop, inputs.record, inputs.settings, inputs.anchor
     total = record.old_logp.numel()
     parts: list[tuple[float, LossOutput]] = []
     recomputed = torch.empty_like(record.old_logp)
     for step, (a, b) in record.steps():
         logp, mean, std = loop.step_logprob(record, step, (a, b))
         recomputed[a:b, step] = logp.detach()
-        kl = step_kl(loop, record, step, (a, b), mean, std, settings.beta, reference)
+        kl = step_kl(loop, record, step, (a, b), mean, std, settings.beta, inputs.reference)
         behavior = record.old_logp[a:b, step]
         old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
-        out = flow_grpo_loss(
-            logp,
-            old,
-            advantages[a:b],
-            kl=kl,
-            clip_eps=settings.clip_eps,
-            beta=settings.beta,
-            is_weights=weights,
-        )
-        add_part(parts, (b - a) / total, out, backward)
+        add_part(parts, (b - a) / total, term(step, slice(a, b), logp, mean, std, kl, old, weights), backward)
     return replace(weighted_loss(parts, backpropagated=backward is not None), logp=recomputed)
 
 

@@ -20,7 +20,7 @@ from torch import Tensor
 from unirl_pl import timing
 from unirl_pl.card import Card
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss, weighted_loss
+from unirl_pl.method.grpo import ExpertLoss, LossInputs, weighted_loss
 from unirl_pl.records import Experience
 
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]
@@ -65,9 +65,9 @@ class PolicyLosses:
             algorithm.check_settings(settings)
             reference = self.experts[name].adapter_disabled
             anchor = self.anchor(loop, record)
-            args = (self.loops[loop], record, exp.advantages[loop], settings, reference)
+            inputs = LossInputs(self.loops[loop], record, exp.advantages[loop], settings, reference, anchor)
             with timing.phase(getattr(algorithm, "phase", "loss")):
-                out = algorithm.loss(*args, backward=backward, anchor=anchor)
+                out = algorithm.loss(inputs, backward)
             if settings.rollout_correction != "off" and anchor is None and out.logp is not None:
                 self._anchors[loop] = (weakref.ref(record), out.logp)
             outputs.append(out)

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.loops.ar_decode import positions, process_logits
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.method.grpo import ExpertLoss, LossInputs
 from unirl_pl.records import Cond, DiTRecord, LMRecord
 from unirl_pl.sampling import flow_sde_step_with_logprob
 
@@ -155,7 +155,7 @@ def dit_update(
     advantages = torch.zeros(record.old_logp.shape[0])
     algorithm.check_settings(settings)
     try:
-        return algorithm.loss(loop, record, advantages, settings, reference, backward=backward, anchor=None)
+        return algorithm.loss(LossInputs(loop, record, advantages, settings, reference), backward)
     except AttributeError as err:
         # A likelihood-free algorithm (DiffusionNFT) trains from a record of another kind.
         raise NotImplementedError(
@@ -177,7 +177,7 @@ def lm_loss_forward(
     built; without, the graph of the whole batch is kept for the backward (``backpropagated`` is False)."""
     advantages = torch.zeros(record.old_logp.shape[0])
     algorithm.check_settings(settings)
-    return algorithm.loss(loop, record, advantages, settings, reference, backward=backward, anchor=None)
+    return algorithm.loss(LossInputs(loop, record, advantages, settings, reference), backward)
 
 
 def vae_decode(generator: torch.nn.Module, latents: Tensor) -> Tensor:

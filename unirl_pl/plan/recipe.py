@@ -15,9 +15,9 @@ from typing import Any
 import yaml
 
 from unirl_pl.algorithms import FlowGRPO, TokenGRPO
+from unirl_pl.layout import GroupLayout
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.method import ExpertLoss
-from unirl_pl.method.advantages import GroupLayout
 
 
 class RecipeError(ValueError):
