@@ -152,3 +152,14 @@ def _checkpoint(**kw):
 )
 def test_checkpoint_rows_name_files_for_what_they_are(kw, want):
     assert checkpoint_rows(_checkpoint(**kw)) == want
+
+
+def test_recipe_run_root_is_the_first_loggers_folder():
+    from unirl_pl.cli import recipe_run_root
+
+    csv = {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": "runs", "name": "joint"}}
+    assert recipe_run_root(csv) == Path("runs") / "joint"
+    tb = {"class_path": "TensorBoardLogger", "init_args": {"save_dir": "tb", "name": "x"}}
+    assert recipe_run_root([csv, tb]) == Path("runs") / "joint", "the first logger's, as fit writes its checkpoints"
+    assert recipe_run_root({"class_path": "CSVLogger", "init_args": {"save_dir": "runs"}}) is None
+    assert recipe_run_root(False) is None and recipe_run_root([]) is None and recipe_run_root(None) is None

@@ -32,12 +32,14 @@ import re
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from unirl_pl.callbacks.run_checkpoint import RunCheckpoint
 from unirl_pl.checkpoint import AtomicCheckpointIO
 from unirl_pl.commands import PROG, run_before_lightning
 from unirl_pl.errors import InputError
@@ -130,6 +132,7 @@ class UniRLCLI(LightningCLI):
     def __init__(self, *args: Any, friendly_errors: bool = False, **kwargs: Any) -> None:
         self.friendly_errors = friendly_errors
         self.raw_args: list[str] = []
+        self._run_root: Path | None = None  # the recipe's runs, for --ckpt_path last without a logger
         super().__init__(*args, **kwargs)
 
     @staticmethod
@@ -170,7 +173,9 @@ class UniRLCLI(LightningCLI):
             recipes = [str(p) for p in (config.get("config") or []) if p is not None]
             resolve_inputs(config, search_roots(recipes))
             if self.subcommand in ("validate", "predict") and not self._user_set("trainer.logger"):
-                # Only fit makes a run: evaluating a checkpoint must not add an empty version folder.
+                # Only fit makes a run: evaluating a checkpoint must not add an empty version folder. Where
+                # the recipe's runs are is kept, so --ckpt_path last still finds the newest one.
+                self._run_root = recipe_run_root(config["trainer"].get("logger"))
                 config["trainer"]["logger"] = False
             if config.get("trainer", {}).get("enable_progress_bar") is False:
                 # Lightning refuses a progress-bar callback next to enable_progress_bar=false with a traceback;
@@ -190,7 +195,20 @@ class UniRLCLI(LightningCLI):
         if self.subcommand not in (None, "fit"):
             # config.yaml describes a run; without a logger it would land in the current directory.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SaveConfigCallback)]
+        for callback in trainer.callbacks:
+            if isinstance(callback, RunCheckpoint) and self._run_root is not None:
+                callback.run_root = self._run_root
         return trainer
+
+
+def recipe_run_root(logger: Any) -> Path | None:
+    """``<save_dir>/<name>`` of the recipe's (first) logger when it is given with both, else None."""
+    if isinstance(logger, list):
+        logger = logger[0] if logger else None
+    init = logger.get("init_args") if hasattr(logger, "get") else None
+    save_dir = init.get("save_dir") if hasattr(init, "get") else None
+    name = init.get("name") if hasattr(init, "get") else None
+    return Path(str(save_dir)) / str(name) if save_dir and name else None
 
 
 def _is_progress_bar(callback: Any) -> bool:

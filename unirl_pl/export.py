@@ -55,7 +55,7 @@ def load_checkpoint_into(module: Any, ckpt_path: str | Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Path]:
     """Command-line entry: rebuild the module from ``--config``, load ``--ckpt``, export to ``--out``."""
-    parser = argparse.ArgumentParser(prog="python -m unirl_pl.export", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m unirl_pl export", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="the run's recipe YAML (or the config.yaml it saved)")
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by fit")
     parser.add_argument("--out", required=True, help="output folder; gets llm/ and transformer/")

@@ -62,11 +62,16 @@ class RunCheckpoint(ModelCheckpoint):
         super().__init__(*args, **kwargs)
         # setup() fills dirpath in from the logger; remember whether the user chose the folder.
         self.user_dirpath = self.dirpath is not None
+        # Where the recipe's runs are when this command runs without its logger (validate, predict): the
+        # CLI sets it from the recipe's logger settings.
+        self.run_root: Path | None = None
 
     def _find_last_checkpoints(self, trainer: pl.Trainer) -> set[str]:
         if self.user_dirpath:
             return super()._find_last_checkpoints(trainer)
         if not trainer.loggers or trainer.loggers[0].save_dir is None:
+            if self.run_root is not None:
+                return newest_last_checkpoints(self.run_root, self.CHECKPOINT_NAME_LAST, self.FILE_EXTENSION)
             if trainer.state.fn != "fit":
                 # validate/predict run without the recipe's logger: no run folder to search, and scoring
                 # the untrained weights instead would pass unnoticed.
