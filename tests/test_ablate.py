@@ -120,10 +120,14 @@ def test_training_cpu_per_validation_is_read_tabulated_and_drawn(tmp_path):
         ("1", "10", "11.0", "0.75"),
         ("1", "20", "31.0", "0.5"),
     ]
-    write_markdown(tmp_path / "a.md", runs, ["joint-x"], {})
+    slow = _run("joint", 0, {"g/strict/overall": 0.4}, arm="y")
+    slow.series, slow.train_cpu = {"g/strict/overall": [(10, 0.3), (20, 0.4)]}, [(10, 20.0), (20, 40.0)]
+    write_markdown(tmp_path / "a.md", [*runs, slow], ["joint-x", "joint-y"], {})
     section = (tmp_path / "a.md").read_text().split("## Held-out strict against training CPU seconds")[1]
-    assert "| mode | step 10 | step 20 |" in section
-    assert "| joint-x | 0.500 ± 0.354 (10 CPU s) | 0.500 ± 0.000 (30 CPU s) |" in section
+    assert "| mode | step 10 | step 20 | reaches joint-x @ 20 |" in section
+    # joint-x's mean is already 0.5 after step 10: 10.5 of its 30.5 CPU seconds.
+    assert "| joint-x | 0.500 ± 0.354 (10 CPU s) | 0.500 ± 0.000 (30 CPU s) | step 10, 10 CPU s (0.34x) |" in section
+    assert "| joint-y | 0.300 ± – (20 CPU s) | 0.400 ± – (40 CPU s) | not reached |" in section
     draw_strict_vs_cpu(tmp_path / "c.png", runs, ["joint-x"])
     with Image.open(tmp_path / "c.png") as img:
         assert (31, 119, 180) in {c for _, c in img.convert("RGB").getcolors(1 << 20)}
@@ -453,3 +457,29 @@ def test_failed_run_is_named_with_its_stderr_and_exits_1(tmp_path):
     assert "Option 'prompts_per_stepp' is not accepted" in proc.stderr
     for name in ("ablation.md", "paired.md", "strict_vs_cpu.png"):
         assert (tmp_path / "abl" / name).is_file(), "results are written even when every run fails"
+
+
+def test_report_only_rebuilds_the_reports_from_the_runs_on_disk(tmp_path, capsys):
+    from unirl_pl.ablate import main as ablate_main
+
+    out = tmp_path / "abl"
+    header = "epoch,step,time/train_cpu_seconds,val/g/strict/overall,val/g/soft/overall\n"
+    for seed, (mid, last) in enumerate(((0.25, 0.5), (0.5, 0.75))):
+        folder = out / "runs" / f"joint_s{seed}" / "version_0"
+        folder.mkdir(parents=True)
+        (folder / "metrics.csv").write_text(header + f"0,9,10.0,{mid},0.6\n0,19,20.0,{last},0.8\n")
+    # A run that had not reached a validation when the ablation stopped is not a finished run.
+    (out / "runs" / "prompt_only_s0" / "version_0").mkdir(parents=True)
+    (out / "runs" / "prompt_only_s0" / "version_0" / "metrics.csv").write_text(header + "0,4,,,\n")
+    (out / "ablation.csv").write_text(
+        ",".join(("split", "mode", "arm", "seed", "stat", "metric", "value", "rl_steps", "n_seeds", "wall_s", "cpu_s"))
+        + ",run_dir\ncomposition,joint,,0,value,g/strict/overall,0.5,20,1,12.0,34.0,x\n"
+    )
+    args = ["--config", JOINT, "--out", str(out), "--seeds", "0", "1", "--modes", "joint", "prompt_only"]
+    assert ablate_main([*args, "--extra-val", "--report-only"]) == 0
+    text = (out / "ablation.md").read_text()
+    assert "| joint | 0 1 | 20 |" in text and "0.625 ± 0.177" in text, text
+    assert "| joint_s0 | 12 | 34 | 0.500 |" in text, "seconds come back from the earlier ablation.csv"
+    assert "| prompt_only | – |" in text and "Failed runs" not in text
+    assert [r["train_cpu_s"] for r in csv.DictReader((out / "cost.csv").open())] == ["10.0", "20.0", "10.0", "20.0"]
+    assert ablate_main([*args, "--extra-val", "--report-only", "--seeds", "7"]) == 1, "nothing on disk"

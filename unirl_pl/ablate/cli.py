@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from unirl_pl.ablate.arms import Arm, build_arms, parse_vary
+from unirl_pl.ablate.metrics import read_train_cpu, read_validation
 from unirl_pl.ablate.paired import write_paired
 from unirl_pl.ablate.plot import draw_plot, draw_strict_vs_cpu
 from unirl_pl.ablate.report import write_cost_csv, write_csv, write_markdown
@@ -29,6 +30,7 @@ from unirl_pl.ablate.runs import (
     MODES,
     QUICK,
     Run,
+    _version_number,
     execute,
     group_name,
     last_callback_is_checkpoint,
@@ -90,6 +92,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default="runs/ablation", help="output folder (default: runs/ablation)")
     parser.add_argument("--quick", action="store_true", help="smoke setting: 2 steps, tiny batches (seconds a run)")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failed run")
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="run nothing: rewrite the tables, paired report and plots from the runs already in --out (their "
+        "metrics.csv, and the seconds recorded in its ablation.csv)",
+    )
     parser.add_argument(
         "--jobs",
         type=int,
@@ -172,6 +180,36 @@ def write_outputs(out: Path, the_plan: Plan, meta: dict[str, str], main: str) ->
     write_cost_csv(out / "cost.csv", runs)
     if the_plan.varied:
         draw_strict_vs_cpu(out / "strict_vs_cpu.png", runs, the_plan.groups)
+
+
+def reload_runs(the_plan: Plan, out: Path, main: str) -> int:
+    """Fill the plan's runs from what an earlier ablation left in ``out``: each run's newest logger version
+    folder with a ``metrics.csv``, and its wall and CPU seconds from ``ablation.csv``; the number found."""
+    import csv
+
+    seconds: dict[tuple[str, str, str, str], tuple[float, float]] = {}
+    table = out / "ablation.csv"
+    if table.is_file():
+        with table.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if row["stat"] == "value":
+                    split = "" if row["split"] == main else row["split"]
+                    key = (split, row["mode"], row["arm"], row["seed"])
+                    seconds[key] = (float(row["wall_s"] or "nan"), float(row["cpu_s"] or "nan"))
+    found = 0
+    for run in (x for r in the_plan.runs for x in (r, *the_plan.splits[r.name])):
+        folder = out / "runs" / run.name
+        versions = sorted(folder.glob("version_*/metrics.csv"), key=lambda p: _version_number(p.parent))
+        if not versions:
+            continue
+        run.final, run.final_step, run.series = read_validation(versions[-1], fit=run.mode not in BASE_MODES)
+        if not run.final:  # still running, or stopped before its last validation: not a finished run
+            continue
+        run.returncode, run.version_dir = 0, versions[-1].parent
+        run.train_cpu = read_train_cpu(versions[-1])
+        run.seconds, run.cpu_seconds = seconds.get((run.split, run.mode, run.arm, str(run.seed)), (math.nan, math.nan))
+        found += run.split == ""
+    return found
 
 
 def describe(args: argparse.Namespace, extra: list[str], out: Path) -> dict[str, str]:
@@ -321,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def rewrite() -> None:
         write_outputs(out, the_plan, meta, args.val_name)
+
+    if args.report_only:
+        found = reload_runs(the_plan, out, args.val_name)
+        rewrite()
+        console.print(f"rewrote the reports of {found} finished runs in {out}")
+        return 0 if found else 1
 
     try:
         failed = run_all(the_plan, env, console, args.fail_fast, rewrite, args.jobs)

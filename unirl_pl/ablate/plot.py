@@ -250,7 +250,7 @@ def draw_strict_vs_cpu(path: Path, runs: list[Run], groups: list[str], size: tup
     """
     from PIL import Image, ImageDraw
 
-    from unirl_pl.ablate.report import cost_points
+    from unirl_pl.ablate.report import cost_curves, cost_points
 
     runs = [r for r in runs if not r.split and r.ok and not math.isnan(r.cpu_seconds)]
     metric = strict_overall({k for r in runs for k in r.final})
@@ -258,7 +258,7 @@ def draw_strict_vs_cpu(path: Path, runs: list[Run], groups: list[str], size: tup
     title = f"Held-out strict accuracy (overall) vs {'training ' if clocked else ''}CPU seconds"
     if clocked:
         per_run = {r.name: [(cpu, strict) for _, cpu, strict in cost_points(r)] for r in runs}
-        lines = {g: _mean_path([cost_points(r) for r in runs if r.group == g]) for g in groups}
+        lines = {g: [(cpu, mean) for _, cpu, mean, _, _ in curve] for g, curve in cost_curves(runs, groups).items()}
     else:
         per_run = {r.name: [(r.cpu_seconds, r.final[metric])] for r in runs if metric in r.final}
         lines = {}
@@ -304,12 +304,3 @@ def draw_strict_vs_cpu(path: Path, runs: list[Run], groups: list[str], size: tup
     head = ["dot = a run at a", "validation; line =", "mean per step"] if clocked else ["dot = a run;", "ring = mean"]
     _legend(draw, (right + 16, top), head, legend, palette, "main split")
     img.convert("RGB").save(path)
-
-
-def _mean_path(found: list[list[tuple[int, float, float]]]) -> list[tuple[float, float]]:
-    """The group's ``(mean training CPU s, mean strict)`` at each validation step, in step order."""
-    by_step: dict[int, list[tuple[float, float]]] = {}
-    for points in found:
-        for step, cpu, strict in points:
-            by_step.setdefault(step, []).append((cpu, strict))
-    return [(sum(c for c, _ in v) / len(v), sum(s for _, s in v) / len(v)) for _, v in sorted(by_step.items())]

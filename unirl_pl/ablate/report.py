@@ -169,35 +169,57 @@ def write_cost_csv(path: Path, runs: list[Run]) -> None:
                     writer.writerow((run.mode, run.arm, run.seed, x, f"{cpu:.1f}", fmt(strict)))
 
 
+def cost_curves(runs: list[Run], groups: list[str]) -> dict[str, list[tuple[int, float, float, float, int]]]:
+    """``group -> [(step, mean training CPU s, strict mean, strict std, n), ...]`` over its seeds, per validation."""
+    curves: dict[str, list[tuple[int, float, float, float, int]]] = {}
+    for group in groups:
+        by_step: dict[int, list[tuple[float, float]]] = {}
+        for run in runs:
+            if run.group == group and not run.split and run.ok:
+                for x, cpu, strict in cost_points(run):
+                    by_step.setdefault(x, []).append((cpu, strict))
+        curve = []
+        for x, found in sorted(by_step.items()):
+            mean, std = mean_std([s for _, s in found])
+            curve.append((x, sum(c for c, _ in found) / len(found), mean, std, len(found)))
+        if curve:
+            curves[group] = curve
+    return curves
+
+
+def reach(curve: list[tuple[int, float, float, float, int]], target: float) -> tuple[int, float] | None:
+    """``(step, mean training CPU s)`` of the first validation whose mean strict is at least ``target``."""
+    return next(((x, cpu) for x, cpu, mean, _, _ in curve if mean >= target), None)
+
+
 def _cost_section(runs: list[Run], groups: list[str], main: str) -> list[str]:
-    """Per group and validation: mean training CPU seconds and held-out strict (mean ± std over seeds)."""
-    points = {r.name: cost_points(r) for r in runs}
-    steps = sorted({x for found in points.values() for x, _, _ in found})
-    if not steps:
+    """Per group and validation: mean training CPU seconds and held-out strict (mean ± std over seeds); and
+    where each group first reaches the first group's final mean strict, in steps and in CPU."""
+    curves = cost_curves(runs, groups)
+    if not curves:
         return []
+    steps = sorted({x for curve in curves.values() for x, *_ in curve})
+    reference = next(iter(curves))
+    ref_step, ref_cpu, ref_strict, _, _ = curves[reference][-1]
     lines = [
         "",
         f"## Held-out strict against training CPU seconds ({main} split)",
         "",
         "Each cell: strict overall `mean ± std` over seeds after that many RL steps, and the mean CPU seconds "
-        "of training spent to get there (validation excluded; `unirl_pl.callbacks.TrainCPUClock`). "
-        "Every point: `cost.csv`.",
+        "of training spent to get there (validation excluded; `unirl_pl.callbacks.TrainCPUClock`). The last "
+        f"column: the first validation at which the row's mean reaches `{reference}`'s mean after step "
+        f"{ref_step} ({ref_strict:.3f}, {ref_cpu:.0f} CPU s), and that CPU as a fraction of its. Every point: "
+        "`cost.csv`.",
         "",
-        "| mode | " + " | ".join(f"step {x}" for x in steps) + " |",
-        "|---|" + "---|" * len(steps),
+        "| mode | " + " | ".join(f"step {x}" for x in steps) + f" | reaches {reference} @ {ref_step} |",
+        "|---|" + "---|" * (len(steps) + 1),
     ]
-    for group in groups:
-        found = [points[r.name] for r in runs if r.group == group]
-        cells = []
-        for x in steps:
-            at = [(cpu, strict) for p in found for step, cpu, strict in p if step == x]
-            if not at:
-                cells.append("–")
-                continue
-            cpu = sum(c for c, _ in at) / len(at)
-            cells.append(f"{cell(*mean_std([s for _, s in at]))} ({cpu:.0f} CPU s)")
-        if any(c != "–" for c in cells):
-            lines.append(f"| {group} | " + " | ".join(cells) + " |")
+    for group, curve in curves.items():
+        at = {x: (cpu, mean, std) for x, cpu, mean, std, _ in curve}
+        cells = [f"{cell(at[x][1], at[x][2])} ({at[x][0]:.0f} CPU s)" if x in at else "–" for x in steps]
+        found = reach(curve, ref_strict)
+        cells.append(f"step {found[0]}, {found[1]:.0f} CPU s ({found[1] / ref_cpu:.2f}x)" if found else "not reached")
+        lines.append(f"| {group} | " + " | ".join(cells) + " |")
     return lines
 
 
