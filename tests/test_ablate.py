@@ -401,7 +401,8 @@ def test_quick_ablation_writes_table_csv_plot_and_paired_report(tmp_path):
             clock = [float(r["train_cpu_s"]) for r in cost if (r["mode"], r["seed"]) == (mode, seed)]
             assert len(clock) == 2 and 0 < clock[0] < clock[1], (mode, seed, clock)
 
-    rows = {line.split("|")[1].strip(): line for line in md.read_text().splitlines() if line.startswith("| ")}
+    table_text = md.read_text().split("## composition split")[1].split("\n## ")[0]
+    rows = {line.split("|")[1].strip(): line for line in table_text.splitlines() if line.startswith("| ")}
     assert "strict overall" in rows["mode"] and "soft overall" in rows["mode"] and "CPU s" in rows["mode"]
     for mode in modes:
         assert rows[mode].count("±") >= 2, rows[mode]
