@@ -4,8 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
-from tests.helpers import TINY, read_metrics, run_cli, series
+from tests.helpers import ROOT, TINY, read_metrics, run_cli, series
 from unirl_pl.cli import main
 from unirl_pl.experts import FlowTransformerExpert
 from unirl_pl.sampling import flow_sigmas
@@ -88,7 +89,21 @@ def test_print_config_round_trips(tmp_path, capsys):
         main(["fit", "--config", TINY, "--print_config"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    assert "samples_per_prompt: 4" in text and "CausalLMExpert" in text
+    assert "samples_per_prompt: 4" in text and "TinyCausalLMExpert" in text
+
+
+@pytest.mark.parametrize("recipe", ["sd35.yaml", "flux.yaml", "wan22_t2v.yaml", "joint.yaml"])
+def test_print_config_of_a_pretrained_refiner_shows_only_what_applies(capsys, recipe):
+    # The tiny test-bed model's arguments belong to TinyCausalLMExpert: a recipe that loads a checkpoint
+    # must not print a hidden_size it ignores next to its pretrained_path.
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--config", str(ROOT / "recipes" / recipe), "--print_config"])
+    assert exc.value.code == 0
+    llm = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["llm"]
+    assert llm["class_path"] == "unirl_pl.experts.CausalLMExpert"
+    assert "pretrained_path" in llm["init_args"]
+    tiny_only = {"hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size"}
+    assert not tiny_only & set(llm["init_args"]), sorted(llm["init_args"])
 
 
 @pytest.fixture

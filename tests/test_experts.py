@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from unirl_pl.experts import (
     DEFAULT_WORDS,
     CausalLMExpert,
+    TinyCausalLMExpert,
     FlowTransformerExpert,
     TextEncoderExpert,
     VAEExpert,
@@ -87,7 +88,7 @@ def test_word_tokenizer_round_trip_and_special_ids() -> None:
 
 
 FACTORIES: dict[str, Callable[[], torch.nn.Module]] = {
-    "llm": CausalLMExpert,
+    "llm": TinyCausalLMExpert,
     "dit": FlowTransformerExpert,
     "text_encoder": TextEncoderExpert,
     "vae": VAEExpert,
@@ -123,7 +124,7 @@ def test_only_lora_weights_train(name: str) -> None:
 
 
 def test_low_precision_base_keeps_float32_lora() -> None:
-    llm = _built(lambda: CausalLMExpert(dtype="bfloat16"))
+    llm = _built(lambda: TinyCausalLMExpert(dtype="bfloat16"))
     dit = _built(lambda: FlowTransformerExpert(dtype="bfloat16"))
     for expert in (llm, dit):
         dtypes = {n: p.dtype for n, p in expert.named_parameters()}
@@ -145,9 +146,9 @@ def test_frozen_components_stay_frozen_and_in_eval(name: str) -> None:
 @pytest.mark.parametrize(
     ("factory", "match"),
     [
-        (lambda: CausalLMExpert(lora_rank=0), "lora_rank"),
-        (lambda: CausalLMExpert(dtype="float8"), "unknown dtype"),
-        (lambda: CausalLMExpert(hidden_size=30, num_attention_heads=4), "divisible"),
+        (lambda: TinyCausalLMExpert(lora_rank=0), "lora_rank"),
+        (lambda: TinyCausalLMExpert(dtype="float8"), "unknown dtype"),
+        (lambda: TinyCausalLMExpert(hidden_size=30, num_attention_heads=4), "divisible"),
         (lambda: FlowTransformerExpert(lora_init="pissa"), "lora_init"),
         (lambda: FlowTransformerExpert(caption_projection_dim=48), "caption_projection_dim"),
         (lambda: FlowTransformerExpert(sample_size=15), "patch_size"),
@@ -165,7 +166,7 @@ def test_bad_arguments_are_refused(factory: Callable[[], torch.nn.Module], match
 
 
 def test_llm_forward_cache_and_reference() -> None:
-    expert = _built(CausalLMExpert)
+    expert = _built(TinyCausalLMExpert)
     batch = _lm_batch(expert)
     out = expert(**batch)
     assert out.logits.shape == (*batch["input_ids"].shape, len(expert.tokenizer))
@@ -206,7 +207,7 @@ def test_llm_forward_cache_and_reference() -> None:
 
 
 def test_llm_adapter_toggle_keeps_requires_grad() -> None:
-    expert = _built(CausalLMExpert)
+    expert = _built(TinyCausalLMExpert)
     expert.requires_grad_(False)  # e.g. a generator-only run freezes the LM
     with torch.no_grad(), expert.adapter_disabled():
         expert(**_lm_batch(expert))
@@ -215,11 +216,11 @@ def test_llm_adapter_toggle_keeps_requires_grad() -> None:
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_llm_loads_from_path_and_adapter_round_trips(tmp_path: Path) -> None:
-    tiny = _built(CausalLMExpert)
+    tiny = _built(TinyCausalLMExpert)
     batch = _lm_batch(tiny)
     with torch.no_grad():
         expected = tiny(**batch).logits
-    donor = _built(CausalLMExpert)
+    donor = _built(TinyCausalLMExpert)
     donor.model.unload().save_pretrained(tmp_path / "base")
     donor.tokenizer.save_pretrained(tmp_path / "base")
     loaded = _built(lambda: CausalLMExpert(pretrained_path=str(tmp_path / "base")))
@@ -236,7 +237,7 @@ def test_llm_loads_from_path_and_adapter_round_trips(tmp_path: Path) -> None:
         peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
         got = peft_model(**batch).logits
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
-    fresh = _built(CausalLMExpert)
+    fresh = _built(TinyCausalLMExpert)
     fresh.load_adapter(str(tmp_path / "adapter"))
     with torch.no_grad():
         torch.testing.assert_close(fresh(**batch).logits, expected, atol=0, rtol=0)

@@ -5,7 +5,7 @@ import torch
 
 from tests.helpers import read_metrics, run_cli, series
 from unirl_pl.data import PromptBatch
-from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert
+from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TinyCausalLMExpert
 
 
 def _fresh(cls, **kwargs):
@@ -73,7 +73,7 @@ def test_generator_only_trains_the_dit_behind_the_frozen_refiners_greedy_rewrite
     cli = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=2", *COMMON)
     model, dm = cli.model, cli.datamodule
     # The refiner ran (every mode runs the whole pipeline) but never learned.
-    assert _same(_fresh(CausalLMExpert), cli.model.llm.state_dict())
+    assert _same(_fresh(TinyCausalLMExpert), cli.model.llm.state_dict())
     assert set(series(read_metrics(cli), "version/llm")) == {0.0}
     assert not _same(_lora(_fresh(FlowTransformerExpert)), _lora(model.generator.transformer.state_dict()))
     prompts = ["a red circle", "a blue square"]
@@ -118,7 +118,7 @@ def test_generator_update_is_a_real_policy_gradient_step(tmp_path):
 def test_joint_changes_both_adapters(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=3", "--trainer.limit_val_batches=0")
     dit_before = _lora(_fresh(FlowTransformerExpert))
-    llm_before = _lora(_fresh(CausalLMExpert))
+    llm_before = _lora(_fresh(TinyCausalLMExpert))
     dit_after = _lora(cli.model.generator.transformer.state_dict())
     llm_after = _lora(cli.model.llm.state_dict())
     assert dit_before and llm_before

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert
+from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert, TinyCausalLMExpert
 from unirl_pl.pretrain import FlowMatchingPretrain, RefinerSFT, build_shapes_tokenizer
 from unirl_pl.pretrain.data import ParaphraseDataModule, pair_batch, scene_batch, uncolored
 from unirl_pl.pretrain.evaluate import DEFAULT_ASSETS, generate, load_experts, refine
@@ -114,7 +114,7 @@ def _sft_loss(module: RefinerSFT, batch: dict) -> float:
 
 def test_refiner_sft_lowers_loss_and_exports_a_loadable_lm(tmp_path: Path) -> None:
     module = RefinerSFT(
-        CausalLMExpert(
+        TinyCausalLMExpert(
             hidden_size=32,
             num_layers=1,
             num_attention_heads=2,

@@ -237,11 +237,11 @@ def test_checkpoints_load_with_weights_only_by_default(tmp_path):
 
 # ------------------------------------------------------------------ run identity
 def _module(**overrides):
-    from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert
+    from unirl_pl.experts import FlowTransformerExpert, TinyCausalLMExpert
     from unirl_pl.generators import ComponentGenerator
     from unirl_pl.module import UniRLModule
 
-    parts = {"llm": CausalLMExpert(), "generator": ComponentGenerator(transformer=FlowTransformerExpert(lora_rank=4))}
+    parts = {"llm": TinyCausalLMExpert(), "generator": ComponentGenerator(transformer=FlowTransformerExpert(lora_rank=4))}
     return UniRLModule(rewards={"brightness": 1.0}, **{**parts, **overrides})
 
 
@@ -269,13 +269,13 @@ def _roundtrip(obj) -> Path:
 
 
 def test_check_identity_lists_every_changed_key():
-    from unirl_pl.experts import CausalLMExpert
+    from unirl_pl.experts import TinyCausalLMExpert
 
     saved = run_identity(_module())
     current = run_identity(
         _module(
             mode="prompt_only",
-            llm=CausalLMExpert(lora_rank=4),
+            llm=TinyCausalLMExpert(lora_rank=4),
             llm_optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
         )
     )

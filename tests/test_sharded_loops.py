@@ -33,11 +33,11 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         from unirl_pl.distributed import shard_experts
-        from unirl_pl.experts import CausalLMExpert, FlowTransformerExpert, TextEncoderExpert
+        from unirl_pl.experts import FlowTransformerExpert, TextEncoderExpert, TinyCausalLMExpert
         from unirl_pl.generators import ComponentGenerator
         from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 
-        llm, dit = CausalLMExpert(), FlowTransformerExpert(in_channels=3)
+        llm, dit = TinyCausalLMExpert(), FlowTransformerExpert(in_channels=3)
         generator = ComponentGenerator(dit, TextEncoderExpert(), vae=None)
         llm.build()
         generator.build()

@@ -245,7 +245,10 @@ def test_a_misplaced_option_is_told_where_it_lives(capsys, option, hint):
     [
         (["--model.mode=bogus"], "error: model.mode: Expected a typing.Literal"),
         (["--data.qqq=3"], "error: data: Option 'qqq' is not accepted"),
-        (["--model.llm.init_args.pretrained_path=/nope"], "error: model.llm.pretrained_path: '/nope' does not exist"),
+        (
+            ["--model.llm=unirl_pl.experts.CausalLMExpert", "--model.llm.init_args.pretrained_path=/nope"],
+            "error: model.llm.pretrained_path: '/nope' does not exist",
+        ),
         (["--data.prompts=/nope.jsonl"], "error: data.prompts: '/nope.jsonl' does not exist"),
     ],
     ids=["bad-literal", "unknown-key", "missing-expert", "missing-prompts"],

@@ -29,7 +29,7 @@ from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import agree_max, shard_experts
 from unirl_pl.evaluation import serve, validation_scores
-from unirl_pl.experts import CausalLMExpert
+from unirl_pl.experts import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig, write_schedule
 from unirl_pl.losses import LossOutput
@@ -96,7 +96,7 @@ class UniRLModule(pl.LightningModule):
     def __init__(
         self,
         generator: ComponentGenerator | FlowGenerator = lazy_instance(ComponentGenerator),
-        llm: CausalLMExpert | None = lazy_instance(CausalLMExpert),
+        llm: CausalLMExpert | None = lazy_instance(TinyCausalLMExpert),
         pipeline_path: str | None = None,
         mode: Literal["joint", "prompt_only", "generator_only"] = "joint",
         rollout: RolloutConfig = RolloutConfig(),

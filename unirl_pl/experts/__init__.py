@@ -2,7 +2,7 @@
 encoder and VAE. Each builds a tiny deterministic model by default or loads a local checkpoint."""
 
 from unirl_pl.experts.dit import FlowTransformerExpert
-from unirl_pl.experts.llm import CausalLMExpert
+from unirl_pl.experts.llm import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.experts.tokenizer import DEFAULT_WORDS, build_word_tokenizer
 from unirl_pl.experts.vae import VAEExpert
@@ -12,6 +12,7 @@ __all__ = [
     "CausalLMExpert",
     "FlowTransformerExpert",
     "TextEncoderExpert",
+    "TinyCausalLMExpert",
     "VAEExpert",
     "build_word_tokenizer",
 ]

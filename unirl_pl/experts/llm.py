@@ -10,6 +10,7 @@ from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.utils import load_peft_weights
 from transformers import (
     AutoModelForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -26,33 +27,23 @@ DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_pr
 
 
 class CausalLMExpert(LoRAExpert):
-    """Prompt-refiner expert: a causal LM whose only trainable weights are a LoRA adapter.
+    """Prompt-refiner expert: a causal LM loaded from a checkpoint, whose only trainable weights are a LoRA adapter.
 
     The constructor only records and validates its arguments; ``build()`` (called from the
-    LightningModule's ``configure_model``) creates the tokenizer and model, so a recipe can be parsed
-    and checked without allocating weights. With no ``pretrained_path`` it builds a tiny Qwen2 model
-    over the offline word tokenizer, initialized from ``init_seed`` without touching the global RNG;
-    with a path it loads the tokenizer and model from that local folder (or hub id) with the same code.
-    The reference policy for the KL term is this same model with the adapter disabled
-    (``adapter_disabled()``), so no second copy of the weights is kept.
+    LightningModule's ``configure_model``) loads the tokenizer and model from ``pretrained_path``, so a
+    recipe can be parsed and checked without allocating weights. The reference policy for the KL term is
+    this same model with the adapter disabled (``adapter_disabled()``), so no second copy of the weights is
+    kept. :class:`TinyCausalLMExpert` is the same expert over a tiny model built from its own arguments (the
+    test bed); this class takes only what applies to a checkpoint.
 
     Args:
-        pretrained_path: Local folder or hub id of a causal LM (and its tokenizer); ``None`` builds
-            the tiny embedded model.
-        hidden_size: Tiny model only: width of the residual stream.
-        num_layers: Tiny model only: number of decoder layers.
-        num_attention_heads: Tiny model only: query heads; must divide ``hidden_size``.
-        num_key_value_heads: Tiny model only: key/value heads (GQA); must divide ``num_attention_heads``.
-        intermediate_size: Tiny model only: width of the MLP.
+        pretrained_path: Local folder or hub id of a causal LM (and its tokenizer).
         lora_rank: LoRA rank ``r`` (>= 1).
         lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
         lora_target_modules: Module names that get LoRA; default ``q_proj k_proj v_proj o_proj``.
         dtype: Dtype of the base weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights stay
             float32, peft's default for low-precision bases).
-        init_seed: Seed of the tiny model's weights and of the LoRA init.
-        initializer_range: Tiny model only: std of the random init. Larger than HF's 0.02 by default
-            because with tied embeddings a 0.02 init bounds every logit near 0: the policy is stuck
-            near uniform and no LoRA update can make one token likely, unlike a real LM.
+        init_seed: Seed of the LoRA init.
         chat: How an instruct LM is asked and its reply read back (chat template, instruction, reply
             parsing with a fallback to the user prompt); None feeds the bare prompt to a base LM and takes
             its continuation as the refinement.
@@ -62,35 +53,21 @@ class CausalLMExpert(LoRAExpert):
 
     def __init__(
         self,
-        pretrained_path: str | None = None,
-        hidden_size: int = 64,
-        num_layers: int = 2,
-        num_attention_heads: int = 4,
-        num_key_value_heads: int = 2,
-        intermediate_size: int = 128,
+        pretrained_path: str,
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         lora_target_modules: list[str] | None = None,
         dtype: str = "float32",
         init_seed: int = 0,
-        initializer_range: float = 0.2,
         chat: ChatFormat | None = None,
     ) -> None:
         super().__init__(pretrained_path, dtype, init_seed)
-        check_positive(
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            intermediate_size=intermediate_size,
-            initializer_range=initializer_range,
-        )
+        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat)
+
+    def _init_refiner(
+        self, lora_rank: int, lora_alpha: float, lora_target_modules: list[str] | None, chat: ChatFormat | None
+    ) -> None:
         self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_LLM_LORA_TARGETS)
-        check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
-        check_divisible(num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
-        self.hidden_size, self.num_layers, self.intermediate_size = hidden_size, num_layers, intermediate_size
-        self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
-        self.initializer_range = initializer_range
         self.chat = chat
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: PeftModel | None = None
@@ -105,49 +82,34 @@ class CausalLMExpert(LoRAExpert):
         """
         if self.is_built:
             return
-        if self.pretrained_path is not None:
-            # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
-            verify_assets(self.pretrained_path)
         tokenizer = self._build_tokenizer()
         with seeded_cpu_init(self.init_seed):
-            if self.pretrained_path is None:
-                base = Qwen2ForCausalLM(self._tiny_config(tokenizer)).to(self.dtype)
-            else:
-                # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
-                base = AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
+            base = self._base_model(tokenizer)
             model = self._attach_lora(base)
         params = inspect.signature(base.forward).parameters
         self._cache_arg_name = "cache" if "cache" in params else "past_key_values"
         self.tokenizer = tokenizer
         self.model = model
 
+    def _base_tokenizer(self) -> PreTrainedTokenizerBase:
+        assert self.pretrained_path is not None  # set by __init__; only the tiny subclass has none
+        # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
+        verify_assets(self.pretrained_path)
+        return load_tokenizer(self.pretrained_path)
+
+    def _base_model(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+        # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
+        return AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
+
     def _build_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.pretrained_path is None:
-            tokenizer = build_word_tokenizer(padding_side="left")
-        else:
-            tokenizer = load_tokenizer(self.pretrained_path)
+        tokenizer = self._base_tokenizer()
         # Batched generation appends new tokens on the right, so prompts must be left-padded.
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         return tokenizer
 
-    def _tiny_config(self, tokenizer: PreTrainedTokenizerBase) -> Qwen2Config:
-        return Qwen2Config(
-            vocab_size=len(tokenizer),
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-            attention_dropout=0.0,
-            initializer_range=self.initializer_range,
-            **special_token_ids(tokenizer),
-        )
-
-    def _attach_lora(self, model: Qwen2ForCausalLM) -> PeftModel:
+    def _attach_lora(self, model: PreTrainedModel) -> PeftModel:
         """Freeze ``model`` and wrap it in a ``PeftModel`` with the adapter (LoRA weights in float32)."""
         model.requires_grad_(False)
         with warnings.catch_warnings():
@@ -261,3 +223,76 @@ class CausalLMExpert(LoRAExpert):
                 f"adapter at {path} does not match this model: missing {missing[:3]}, "
                 f"unexpected {list(result.unexpected_keys)[:3]}"
             )
+
+
+class TinyCausalLMExpert(CausalLMExpert):
+    """The prompt-refiner expert over a tiny Qwen2 model built from these arguments (the test bed and the
+    ShapesWorld refiner's pretraining), with the offline word tokenizer; weights come from ``init_seed``
+    without touching the global RNG. Everything else is :class:`CausalLMExpert`'s.
+
+    Args:
+        hidden_size: Width of the residual stream.
+        num_layers: Number of decoder layers.
+        num_attention_heads: Query heads; must divide ``hidden_size``.
+        num_key_value_heads: Key/value heads (GQA); must divide ``num_attention_heads``.
+        intermediate_size: Width of the MLP.
+        lora_rank: LoRA rank ``r`` (>= 1).
+        lora_alpha: LoRA scaling numerator; the adapter output is scaled by ``lora_alpha / lora_rank``.
+        lora_target_modules: Module names that get LoRA; default ``q_proj k_proj v_proj o_proj``.
+        dtype: Dtype of the weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights stay float32).
+        init_seed: Seed of the model's weights and of the LoRA init.
+        initializer_range: Std of the random init. Larger than HF's 0.02 by default because with tied
+            embeddings a 0.02 init bounds every logit near 0: the policy is stuck near uniform and no LoRA
+            update can make one token likely, unlike a real LM.
+        chat: As :class:`CausalLMExpert`'s (None: the bare prompt, the continuation is the refinement).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int = 2,
+        intermediate_size: int = 128,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_target_modules: list[str] | None = None,
+        dtype: str = "float32",
+        init_seed: int = 0,
+        initializer_range: float = 0.2,
+        chat: ChatFormat | None = None,
+    ) -> None:
+        LoRAExpert.__init__(self, None, dtype, init_seed)  # no checkpoint: build() makes the weights
+        check_positive(
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            intermediate_size=intermediate_size,
+            initializer_range=initializer_range,
+        )
+        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat)
+        check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        check_divisible(num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
+        self.hidden_size, self.num_layers, self.intermediate_size = hidden_size, num_layers, intermediate_size
+        self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
+        self.initializer_range = initializer_range
+
+    def _base_tokenizer(self) -> PreTrainedTokenizerBase:
+        return build_word_tokenizer(padding_side="left")
+
+    def _base_model(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+        config = Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            max_position_embeddings=256,
+            tie_word_embeddings=True,
+            attention_dropout=0.0,
+            initializer_range=self.initializer_range,
+            **special_token_ids(tokenizer),
+        )
+        return Qwen2ForCausalLM(config).to(self.dtype)

@@ -13,7 +13,7 @@ from torch import Tensor
 from transformers import Qwen2ForCausalLM
 
 from unirl_pl.experts._common import seeded_cpu_init
-from unirl_pl.experts.llm import CausalLMExpert
+from unirl_pl.experts.llm import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.pretrain.common import warmup_cosine
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
@@ -76,7 +76,7 @@ class RefinerSFT(pl.LightningModule):
 
     def __init__(
         self,
-        llm: CausalLMExpert = lazy_instance(CausalLMExpert),
+        llm: CausalLMExpert = lazy_instance(TinyCausalLMExpert),
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
