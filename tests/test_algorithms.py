@@ -20,6 +20,7 @@ import yaml
 from tests.helpers import JOINT, ROOT, TINY
 from unirl_pl.algorithms import DAPO, GSPO, DiffusionNFT, FlowCPS, FlowGRPO, FlowGRPOFast, MixGRPO, TokenGRPO
 from unirl_pl.algorithms.flow_grpo_fast import STREAM_WINDOW
+from unirl_pl.algorithms.token_grpo import informative_groups
 from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
@@ -210,6 +211,32 @@ def test_refiner_algorithms_validate_their_settings():
     assert DAPO().clip_eps_high == 0.28 and TokenGRPO().plain and not DAPO().plain
 
 
+def test_informative_groups_by_hand():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 2.0, 2.0, 0.3])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3])
+    # spread: none, std 0.471, none, a single sample has none
+    assert informative_groups(rewards, groups).tolist() == [False, True, False, False]
+    assert informative_groups(torch.tensor([0.5, 0.5 + 1e-6]), torch.tensor([0, 0])).tolist() == [True]
+
+
+def test_dapo_dynamic_sampling_keeps_the_first_informative_groups():
+    groups = torch.arange(5).repeat_interleave(2)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 0.2, 0.9, 0.4, 0.1])  # groups 1, 3 and 4 informative
+    assert DAPO().train_groups(rewards, groups).tolist() == [False, True, False, True, True]
+    assert DAPO(train_groups=2).train_groups(rewards, groups).tolist() == [False, True, False, True, False]
+    dapo = DAPO(train_groups=2)
+    dapo.train_groups(rewards, groups)
+    assert dapo.metrics("llm", type("R", (), {"gen_mask": torch.ones(2, 3)})())["llm/train_groups"] == 2.0
+    flat = torch.full((10,), 0.5)
+    assert DAPO().train_groups(flat, groups).all(), "no informative group: train on all, never on nothing"
+    assert DAPO(dynamic_sampling=False).train_groups(rewards, groups) is None
+    assert TokenGRPO().train_groups(rewards, groups) is None and GSPO().train_groups(rewards, groups) is None
+    with pytest.raises(ValueError, match="train_groups must be"):
+        DAPO(train_groups=0)
+    with pytest.raises(ValueError, match="needs dynamic_sampling"):
+        DAPO(dynamic_sampling=False, train_groups=2)
+
+
 # ------------------------------------------------------------------ on the tiny recipe, per algorithm
 
 
@@ -291,6 +318,40 @@ def test_mix_grpo_rollout_follows_the_step_and_c2_catches_a_stale_window():
     )
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, second)
+
+
+def _one_flat_group(prompts, refined, images, **_):
+    """Reward: every sample of "a red circle" scores 0.5 (zero spread); the others score by position."""
+    rewards = torch.tensor([0.5 if p == "a red circle" else 0.1 * i for i, p in enumerate(prompts)])
+    return rewards, {}
+
+
+def test_dapo_dynamic_sampling_trains_the_refiner_on_informative_groups_and_c2_holds(monkeypatch):
+    model, dm = build(*overlay("dapo"))
+    monkeypatch.setattr(model.source, "reward", _one_flat_group)
+    exp = collect(model, dm)
+    record, k = exp.records["ar_decode"], dm.layout.samples_per_prompt
+    prompt_of_row = [exp.prompts[int((exp.text_index == r).nonzero()[0])] for r in record.rows.tolist()]
+    assert prompt_of_row and set(prompt_of_row) == {"a blue square"}, prompt_of_row
+    assert (record.rows // k == 1).all() and len(exp.advantages["ar_decode"]) == len(record.rows)
+    assert exp.advantages["ar_decode"].abs().sum() > 0
+    # The recompute scores the kept rows only (a smaller batch than the rollout's): within the gate's
+    # tolerance, as every refiner recompute (batch variance of float32 kernels).
+    assert LogProbIdentityCheck().check(model, exp)["llm"]["max_abs_diff"] <= 1e-5
+    # Without dynamic sampling the flat group's refinements stay in the record (advantage 0).
+    model.source.refiner_groups = TokenGRPO().train_groups
+    every = collect(model, dm).records["ar_decode"]
+    assert set((every.rows // k).tolist()) == {0, 1}
+
+
+def test_lm_record_take_selects_rows_in_order():
+    model, dm = build()
+    record = collect(model, dm).records["ar_decode"]
+    index = torch.tensor([2, 0])
+    taken = record.take(index)
+    for name in ("input_ids", "attention_mask", "gen_mask", "old_logp", "rows"):
+        assert torch.equal(getattr(taken, name), getattr(record, name)[index]), name
+    assert taken.prompt_len == record.prompt_len and taken.version == record.version
 
 
 def test_cps_records_its_own_step_and_c2_catches_a_recompute_with_the_sde_step():

@@ -46,6 +46,8 @@ def test_overlay_fits_with_gates_green(tmp_path, name):
         values = series(rows, key)
         assert len(values) == 2 and all(torch.isfinite(torch.tensor(values))), key
     assert max(series(rows, "transformer/grad_norm")) > 0 and max(series(rows, "llm/grad_norm")) > 0
+    if name == "dapo":  # dynamic sampling: how many of the step's groups the refiner trained on
+        assert all(1 <= g <= cli.datamodule.prompts_per_step for g in series(rows, "llm/train_groups"))
 
 
 def test_diffusion_nft_resume_is_bit_exact(tmp_path):

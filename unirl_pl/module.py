@@ -200,6 +200,7 @@ class UniRLModule(pl.LightningModule):
             owners={loop: self.card.owner(loop) for loop in self.card.loops},
             batch_std=self._global_std,
             drop_nonfinite=self.nonfinite_rewards == "drop",
+            refiner_groups=self.llm_algorithm.train_groups,
         )
         loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
         algorithms = {"diffusion_denoise": self.generator_algorithm, "ar_decode": self.llm_algorithm}

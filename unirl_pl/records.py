@@ -56,7 +56,15 @@ class LMRecord:
 
     def slice(self, start: int, stop: int) -> LMRecord:
         """Rows ``[start, stop)`` of the record (views, same padding and settings): one scoring micro-batch."""
-        rows = slice(start, stop)
+        return self._rows(slice(start, stop), self.fell_back[start:stop])
+
+    def take(self, index: Tensor) -> LMRecord:
+        """The rows at ``index`` (1-D long, in that order; same padding and settings): the refinements a
+        refiner algorithm trains on when it drops some groups (DAPO's dynamic sampling)."""
+        fell_back = [self.fell_back[i] for i in index.tolist()] if self.fell_back else []
+        return self._rows(index, fell_back)
+
+    def _rows(self, rows: slice | Tensor, fell_back: list[bool]) -> LMRecord:
         return replace(
             self,
             input_ids=self.input_ids[rows],
@@ -64,7 +72,7 @@ class LMRecord:
             gen_mask=self.gen_mask[rows],
             old_logp=self.old_logp[rows],
             rows=self.rows[rows],
-            fell_back=self.fell_back[rows],
+            fell_back=fell_back,
         )
 
 

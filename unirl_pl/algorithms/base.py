@@ -140,6 +140,12 @@ class RefinerAlgorithm(Algorithm):
     position = "token"
     phase = "lm_loss"
 
+    def train_groups(self, text_rewards: Tensor, groups: Tensor) -> Tensor | None:
+        """Which prompt groups of the step's rollout the refiner trains on: a (P,) bool mask over the groups
+        ``0..P-1``, given every text sample's reward and its group; None (the default) trains on all. Called
+        once per step after the rewards, before the record reaches the loss and the gates."""
+        return None
+
     def units(self, record: Any) -> Tensor:
         """The loss's aggregation units per row, as a mask whose sum counts them: (R, T) real tokens for a
         token mean, (R,) refinements with a real token for a mean over refinements."""

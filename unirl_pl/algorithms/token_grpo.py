@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
@@ -71,13 +72,59 @@ class TokenGRPO(RefinerAlgorithm):
 
 
 class DAPO(TokenGRPO):
-    """DAPO's refiner loss: clip-higher (``[1 - clip_eps, 1 + clip_eps_high]``, 0.2 / 0.28) and token-mean
-    aggregation. (Dynamic sampling, which drops zero-spread groups and refills the batch, is not implemented:
-    a zero-spread group already has advantage 0 and adds only to the token count.)
+    """DAPO's refiner loss: clip-higher (``[1 - clip_eps, 1 + clip_eps_high]``, 0.2 / 0.28), token-mean
+    aggregation and dynamic sampling.
+
+    Dynamic sampling drops every group whose rewards are all equal (zero spread: every advantage is 0, so it
+    adds nothing but tokens to the mean's denominator) and trains on up to ``train_groups`` of the others.
+    DAPO keeps sampling until the batch is full; here the pool is the step's own rollout: with
+    ``data.prompts_per_step`` above ``train_groups`` the extra groups refill the places of the dropped ones
+    (``--data.prompts_per_step=12 --model.llm_algorithm.init_args.train_groups=8`` rolls out 12 groups and
+    trains the refiner on 8 informative ones). A step with no informative group trains on all of them (every
+    advantage 0: only the KL term moves the adapter). The generator, when it trains, sees the whole rollout.
+    ``llm/train_groups`` logs how many groups the refiner trained on.
 
     Args:
         clip_eps_high: Upper clip range (DAPO: 0.28).
+        dynamic_sampling: Drop zero-spread groups from the refiner's loss.
+        train_groups: The most informative groups trained on per step and process (None: all of them).
     """
 
-    def __init__(self, clip_eps_high: float = 0.28) -> None:
+    def __init__(self, clip_eps_high: float = 0.28, dynamic_sampling: bool = True, train_groups: int | None = None) -> None:
         super().__init__(clip_eps_high=clip_eps_high, aggregation="token_mean")
+        if train_groups is not None and train_groups < 1:
+            raise ValueError(f"train_groups must be >= 1 or null, got {train_groups}")
+        if train_groups is not None and not dynamic_sampling:
+            raise ValueError("train_groups needs dynamic_sampling: true (it counts the informative groups kept)")
+        self.dynamic_sampling, self.max_groups = dynamic_sampling, train_groups
+        self._trained_groups: int | None = None
+
+    def train_groups(self, text_rewards: Tensor, groups: Tensor) -> Tensor | None:
+        if not self.dynamic_sampling:
+            return None
+        keep = informative_groups(text_rewards, groups)
+        if self.max_groups is not None:
+            keep &= keep.cumsum(0) <= self.max_groups  # the first train_groups informative ones
+        if not keep.any():  # nothing to learn from: train on all (advantages 0), never on an empty record
+            keep = torch.ones_like(keep)
+        self._trained_groups = int(keep.sum())
+        return keep
+
+    def metrics(self, name: str, record: LMRecord) -> dict[str, Tensor | float]:
+        metrics = super().metrics(name, record)
+        if self._trained_groups is not None:
+            metrics[f"{name}/train_groups"] = float(self._trained_groups)
+        return metrics
+
+
+def informative_groups(rewards: Tensor, groups: Tensor, tol: float = 1e-8) -> Tensor:
+    """(P,) bool: which of the groups ``0..P-1`` have a reward spread (population std) above ``tol``.
+
+    ``rewards`` and ``groups`` are per sample; a group with one sample, or all rewards equal, has none.
+    """
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    rewards = rewards.double()
+    n = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, torch.ones_like(rewards))
+    mean = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, rewards) / n.clamp_min(1)
+    var = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, (rewards - mean[groups]) ** 2) / n.clamp_min(1)
+    return var.sqrt() > tol

@@ -46,6 +46,8 @@ class ExperienceSource:
         batch_std: The global batch's reward std across ranks (None on one process).
         drop_nonfinite: Replace non-finite rewards by their group's mean (advantage 0) instead of letting
             them reach the loss (whose non-finite value then skips the step).
+        refiner_groups: Which prompt groups the refiner trains on, from every text sample's reward and
+            group (its algorithm's ``train_groups``; None: all).
     """
 
     ar_decode: ARDecode | None
@@ -58,6 +60,7 @@ class ExperienceSource:
     owners: dict[str, str]
     batch_std: Callable[[Tensor], Tensor | None]
     drop_nonfinite: bool = False
+    refiner_groups: Callable[[Tensor, Tensor], Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         # Remote reward terms are scored while the rest of the batch decodes (rewards/overlap.py). Read
@@ -111,6 +114,16 @@ class ExperienceSource:
         record.rows = torch.as_tensor(rows, dtype=torch.long)
         return refined, rows, record
 
+    def _refiner_rows(
+        self, record: LMRecord, advantages: Tensor, text_rewards: Tensor, groups: Tensor
+    ) -> tuple[LMRecord, Tensor]:
+        """The record rows (and their advantages) of the groups the refiner algorithm trains on."""
+        keep = self.refiner_groups(text_rewards, groups) if self.refiner_groups is not None else None
+        if keep is None:
+            return record, advantages
+        rows = keep[groups[record.rows]].nonzero().flatten()
+        return record.take(rows), advantages[rows.to(advantages.device)]
+
     @timing.timed("rollout_glue")
     @torch.no_grad()
     def collect(self, batch: PromptBatch, device: torch.device) -> Experience:
@@ -151,7 +164,9 @@ class ExperienceSource:
             advantages["ar_decode"] = text_adv[rows].to(device)
         records: dict = {}
         if lm_record is not None and self.trained.get("ar_decode"):
-            records["ar_decode"] = lm_record
+            records["ar_decode"], advantages["ar_decode"] = self._refiner_rows(
+                lm_record, advantages["ar_decode"], text_rewards, layout.text_prompt(p)
+            )
         if dit_record is not None:
             records["diffusion_denoise"] = dit_record
         fell_back = lm_record.fell_back if lm_record is not None else []
