@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM
 from unirl_pl.experts import (
     DEFAULT_WORDS,
     CausalLMExpert,
-    TinyCausalLMExpert,
     FlowTransformerExpert,
     TextEncoderExpert,
+    TinyCausalLMExpert,
     VAEExpert,
     build_word_tokenizer,
 )

@@ -241,7 +241,10 @@ def _module(**overrides):
     from unirl_pl.generators import ComponentGenerator
     from unirl_pl.module import UniRLModule
 
-    parts = {"llm": TinyCausalLMExpert(), "generator": ComponentGenerator(transformer=FlowTransformerExpert(lora_rank=4))}
+    parts = {
+        "llm": TinyCausalLMExpert(),
+        "generator": ComponentGenerator(transformer=FlowTransformerExpert(lora_rank=4)),
+    }
     return UniRLModule(rewards={"brightness": 1.0}, **{**parts, **overrides})
 
 

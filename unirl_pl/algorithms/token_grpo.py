@@ -90,7 +90,9 @@ class DAPO(TokenGRPO):
         train_groups: The most informative groups trained on per step and process (None: all of them).
     """
 
-    def __init__(self, clip_eps_high: float = 0.28, dynamic_sampling: bool = True, train_groups: int | None = None) -> None:
+    def __init__(
+        self, clip_eps_high: float = 0.28, dynamic_sampling: bool = True, train_groups: int | None = None
+    ) -> None:
         super().__init__(clip_eps_high=clip_eps_high, aggregation="token_mean")
         if train_groups is not None and train_groups < 1:
             raise ValueError(f"train_groups must be >= 1 or null, got {train_groups}")
