@@ -35,7 +35,7 @@ from unirl_pl.losses import (
     refiner_token_loss,
 )
 from unirl_pl.records import DiTRecord, FlowPointsRecord
-from unirl_pl.sampling import cps_step_with_logprob
+from unirl_pl.sampling import compress_tail, cps_step_with_logprob, dpm_solver_2m_step, flow_sigmas, flow_x0, ode_step
 
 OVERLAYS = ROOT / "recipes" / "algorithms"
 QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
@@ -79,6 +79,67 @@ def test_cps_preserves_the_noise_coefficient_and_is_ddim_at_noise_level_zero():
     _, _, mean, std = cps_step_with_logprob(x, v, s, s_next, noise_level=0.6)
     coef = (mean - (1 - s_next) * x0).flatten() / x1.flatten()
     assert torch.allclose(coef**2 + float(std.flatten()[0]) ** 2, torch.full_like(coef, s_next**2), atol=1e-5)
+
+
+def _velocity(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """A fixed nonlinear stand-in for a flow model: channel mixing through tanh plus a sigma term."""
+    weight = torch.linspace(-0.4, 0.4, 9).reshape(3, 3)
+    return torch.tanh(torch.einsum("ij,bjhw->bihw", weight, x)) + 0.5 * sigma
+
+
+def test_dpm_solver_2m_matches_diffusers_multistep_scheduler():
+    from diffusers import DPMSolverMultistepScheduler
+
+    scheduler = DPMSolverMultistepScheduler(
+        use_flow_sigmas=True,
+        prediction_type="flow_prediction",
+        flow_shift=3.0,
+        solver_order=2,
+        algorithm_type="dpmsolver++",
+        solver_type="midpoint",
+        final_sigmas_type="zero",
+    )
+    scheduler.set_timesteps(8)
+    sigmas = scheduler.sigmas.double()
+    start = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    theirs, ours, x0_prev = start.clone(), start.clone(), None
+    for i, t in enumerate(scheduler.timesteps):
+        theirs = scheduler.step(_velocity(theirs, float(sigmas[i])), t, theirs).prev_sample
+        x0 = flow_x0(ours, _velocity(ours, float(sigmas[i])), float(sigmas[i]))
+        ours = dpm_solver_2m_step(ours, x0, sigmas[i], sigmas[i + 1], x0_prev, sigmas[i - 1] if i else None)
+        x0_prev = x0
+        torch.testing.assert_close(ours, theirs, atol=2e-6, rtol=0, msg=f"step {i}")
+
+
+def test_dpm_solver_2m_first_order_is_euler_and_the_history_matters():
+    x = torch.randn(2, 3, 4, 4, generator=torch.Generator().manual_seed(1))
+    s, s_next = torch.tensor([0.8, 0.6], dtype=torch.float64), torch.tensor([0.7, 0.0], dtype=torch.float64)
+    v = _velocity(x, 0.8)
+    x0 = flow_x0(x, v, s)
+    torch.testing.assert_close(dpm_solver_2m_step(x, x0, s, s_next), ode_step(x, v, s, s_next), atol=1e-6, rtol=0)
+    prev = x0 + 0.1
+    second = dpm_solver_2m_step(x, x0, s, s_next, prev, torch.tensor([0.9, 0.7], dtype=torch.float64))
+    assert (second[0] - ode_step(x, v, s, s_next)[0]).abs().max() > 1e-3, "sample 0: a second-order correction"
+    torch.testing.assert_close(second[1], x0[1], atol=1e-6, rtol=0)  # into sigma' = 0: first order, x0
+    # After sigma_prev = 1 (lambda = -inf) the correction vanishes rather than turning into NaN.
+    after_one = dpm_solver_2m_step(x, x0, s, s_next, prev, torch.ones(2, dtype=torch.float64))
+    torch.testing.assert_close(after_one, dpm_solver_2m_step(x, x0, s, s_next), atol=0, rtol=0)
+
+
+def test_compress_tail_keeps_the_head_and_thins_the_tail_like_mix_grpo():
+    sigmas = flow_sigmas(10, shift=3.0)
+    assert torch.equal(compress_tail(sigmas, 4, 1.0), sigmas)
+    thinned = compress_tail(sigmas, 4, 0.5)  # int(7 * 0.5) = 3 points: steps 4, 7 and 10
+    assert torch.equal(thinned, torch.cat([sigmas[:4], sigmas[[4, 7, 10]]]))
+    # MixGRPO's construction: an even time grid from step 4's time to 0, shifted as SD3 does.
+    times = torch.linspace(float(torch.linspace(1, 0, 11, dtype=torch.float64)[4]), 0, 3, dtype=torch.float64)
+    torch.testing.assert_close(thinned[4:], 3.0 * times / (1 + 2.0 * times), atol=1e-12, rtol=0)
+    assert compress_tail(sigmas, 8, 0.1).tolist() == [*sigmas[:8].tolist(), float(sigmas[8]), 0.0], "2 points"
+    between = compress_tail(sigmas, 0, 0.5)  # 5 points at steps 0, 2.5, 5, 7.5, 10
+    assert between[1] == pytest.approx(float(sigmas[2] + sigmas[3]) / 2) and between[2] == sigmas[5]
+    assert between[-1] == 0.0 and len(between) == 5
+    with pytest.raises(ValueError, match="keep"):
+        compress_tail(sigmas, 4, 0.0)
 
 
 def test_grpo_guard_ratio_is_centred_and_reweighted_per_step():
@@ -354,6 +415,37 @@ def test_lm_record_take_selects_rows_in_order():
     assert taken.prompt_len == record.prompt_len and taken.version == record.version
 
 
+def test_mix_grpo_flash_records_the_same_window_with_fewer_transformer_calls(monkeypatch):
+    calls = {"n": 0}
+
+    def rollout(*overrides: str):
+        model, dm = build(*overlay("mix_grpo"), "--model.generator_algorithm.init_args.window_size=1", *overrides)
+        velocity = model.diffusion_denoise.velocity
+
+        def counted(*args, **kwargs):
+            calls["n"] += 1
+            return velocity(*args, **kwargs)
+
+        monkeypatch.setattr(model.diffusion_denoise, "velocity", counted)
+        calls["n"] = 0
+        exp = collect(model, dm)
+        return model, exp, calls["n"]
+
+    _, euler, euler_calls = rollout()
+    model, flash, flash_calls = rollout(
+        "--model.generator_algorithm.init_args.post_solver=dpm2", "--model.generator_algorithm.init_args.post_keep=0.5"
+    )
+    # 4 steps, window [0, 1): the tail's 4 points from step 1 thin to 2 (steps 1 and 4), so 2 calls per chunk.
+    assert flash_calls * 2 == euler_calls, (flash_calls, euler_calls)
+    a, b = euler.records["diffusion_denoise"], flash.records["diffusion_denoise"]
+    for name in ("prev", "sample", "old_logp", "sigma", "sigma_next"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert not torch.equal(euler.images, flash.images), "the post-window ODE changed"
+    assert LogProbIdentityCheck().check(model, flash)["transformer"]["frac_bitwise_equal"] == 1.0
+    with pytest.raises(ValueError, match="post_keep"):
+        MixGRPO(post_keep=0.5)
+
+
 def test_cps_records_its_own_step_and_c2_catches_a_recompute_with_the_sde_step():
     model, dm = build(*overlay("cps"))
     exp = collect(model, dm)
@@ -439,6 +531,7 @@ def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
         "grpo_guard": ("generator_algorithm", FlowGRPO),
         "flow_grpo_fast": ("generator_algorithm", FlowGRPOFast),
         "mix_grpo": ("generator_algorithm", MixGRPO),
+        "mix_grpo_flash": ("generator_algorithm", MixGRPO),
         "cps": ("generator_algorithm", FlowCPS),
         "diffusion_nft": ("generator_algorithm", DiffusionNFT),
         "dapo": ("llm_algorithm", DAPO),

@@ -25,7 +25,9 @@ GATES = (
 )
 
 
-@pytest.mark.parametrize("name", ["flow_grpo_fast", "mix_grpo", "cps", "grpo_guard", "diffusion_nft", "dapo", "gspo"])
+@pytest.mark.parametrize(
+    "name", ["flow_grpo_fast", "mix_grpo", "mix_grpo_flash", "cps", "grpo_guard", "diffusion_nft", "dapo", "gspo"]
+)
 def test_overlay_fits_with_gates_green(tmp_path, name):
     cli = run_cli(
         tmp_path,

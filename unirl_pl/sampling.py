@@ -47,6 +47,73 @@ def ode_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor, sigma_next
     return (sample.float() + dt * velocity.float()).to(sample.dtype)
 
 
+def _coefficient(value: Tensor, like: Tensor) -> Tensor:
+    """A per-sample float64 coefficient shaped to broadcast over ``like`` (float32 for the mix)."""
+    return value.to(torch.float32).reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def dpm_solver_2m_step(
+    sample: Tensor,
+    x0: Tensor,
+    sigma: float | Tensor,
+    sigma_next: float | Tensor,
+    x0_prev: Tensor | None = None,
+    sigma_prev: float | Tensor | None = None,
+) -> Tensor:
+    """One deterministic DPM-Solver++(2M) step (midpoint form) of the flow ODE, from x0 predictions.
+
+    On the flow schedule ``alpha = 1 - sigma`` and ``lambda = log(alpha / sigma)``, with ``h = lambda' -
+    lambda`` and ``D0 = x0``: ``x' = (sigma' / sigma) x - alpha' (exp(-h) - 1) (D0 + D1 / 2)``, where ``D1 =
+    (x0 - x0_prev) h / (lambda - lambda_prev)`` uses the previous step's prediction. Without one, or into
+    ``sigma' = 0`` (diffusers' ``lower_order_final``), ``D1 = 0``: the first-order step, which on this schedule
+    is exactly the Euler step ``x + (sigma' - sigma) v``. ``x0 = x - sigma v`` (:func:`flow_x0`). MixGRPO-Flash
+    runs it after the SDE window; checked against diffusers' ``DPMSolverMultistepScheduler``.
+    """
+    x, d0 = sample.float(), x0.float()
+    s = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1)
+    s_next = torch.as_tensor(sigma_next, dtype=torch.float64).reshape(-1)
+    a, a_next = 1 - s, 1 - s_next
+    # alpha' (exp(-h) - 1) = alpha sigma' / sigma - alpha', written without logs (finite at sigma' = 0).
+    mix = a * s_next / s - a_next
+    out = _coefficient(s_next / s, x) * x - _coefficient(mix, x) * d0
+    if x0_prev is None or sigma_prev is None:
+        return out.to(sample.dtype)
+    s_prev = torch.as_tensor(sigma_prev, dtype=torch.float64).reshape(-1)
+    lam, lam_prev = torch.log(a / s), torch.log((1 - s_prev) / s_prev)
+    lam_next = torch.log(a_next / s_next)  # +inf at sigma' = 0
+    # D1's factor h / h0; 0 into sigma' = 0 (first order there) and after sigma_prev = 1 (lambda_prev = -inf).
+    ratio = torch.where(s_next > 0, (lam_next - lam) / (lam - lam_prev), torch.zeros_like(s))
+    ratio = torch.nan_to_num(ratio, nan=0.0, posinf=0.0, neginf=0.0)
+    d1 = _coefficient(ratio, x) * (d0 - x0_prev.float())
+    return (out - _coefficient(mix, x) * 0.5 * d1).to(sample.dtype)
+
+
+def flow_x0(sample: Tensor, velocity: Tensor, sigma: float | Tensor) -> Tensor:
+    """The flow model's clean-sample prediction ``x0 = x - sigma v`` (float32)."""
+    return sample.float() - _as_batch(sigma, sample) * velocity.float()
+
+
+def compress_tail(sigmas: Tensor, start: int, keep: float) -> Tensor:
+    """The schedule ``sigmas`` (1-D, from 1 to 0) with its steps after index ``start`` thinned to a fraction.
+
+    MixGRPO-Flash's post-window grid: ``max(int((N - start + 1) * keep), 2)`` points from ``sigmas[start]`` to
+    0 at evenly spaced step positions, read off the schedule by linear interpolation between its neighbouring
+    sigmas (exact where a position is a whole step; MixGRPO re-shifts an even time grid, the same there).
+    ``keep = 1`` returns the schedule unchanged.
+    """
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    n = sigmas.numel() - 1
+    if not 0 <= start < n:
+        raise ValueError(f"start must be in [0, {n}), got {start}")
+    points = max(int((n - start + 1) * keep), 2)
+    where = torch.linspace(start, n, points, dtype=torch.float64)
+    low = where.floor().long().clamp(max=n - 1)
+    frac = where - low
+    tail = sigmas[low] * (1 - frac) + sigmas[low + 1] * frac
+    return torch.cat([sigmas[:start], tail.to(sigmas.dtype)])
+
+
 def flow_sde_step_with_logprob(
     sample: Tensor,
     velocity: Tensor,

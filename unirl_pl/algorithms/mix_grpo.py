@@ -6,16 +6,22 @@ step 0 and moves right by ``stride`` denoising steps every ``steps_per_window`` 
 reaches ``max_start``; with ``roll_back`` it then starts over at 0, otherwise it stays there. Only the window
 is stochastic, recorded and trained: the early, high-noise steps first, where Flow-GRPO's own analysis puts
 most of the reward's sensitivity. The position is a pure function of the trainer's global step, so a
-resumed run is at the same window without saved state. (MixGRPO-Flash's higher-order ODE solver after the
-window is not implemented: the ODE steps here are Euler.)
+resumed run is at the same window without saved state.
+
+MixGRPO-Flash (``post_solver: dpm2``): after the window the ODE runs DPM-Solver++(2M) (MixGRPO's
+``dpm_apply_strategy: post``, order 2, midpoint) on the schedule's tail thinned to ``post_keep`` of its points
+(its ``dpm_post_compress_ratio``: 0.4 in its Flash script), so a rollout costs fewer transformer calls. The
+solver's history starts with the window's last prediction. Only the rollout changes: the recorded window steps
+and their log-probs are Flow-GRPO's, and validation keeps the Euler ODE on the full schedule.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Literal
 
 from unirl_pl.algorithms.flow_grpo import FlowGRPO
-from unirl_pl.loops.config import RolloutConfig
+from unirl_pl.loops.config import RolloutConfig, StepPlan
 
 
 class MixGRPO(FlowGRPO):
@@ -29,6 +35,9 @@ class MixGRPO(FlowGRPO):
             the last step, where the SDE's variance degenerates; MixGRPO stops at ``num_steps - 2``).
         roll_back: After the last position start over at 0 (MixGRPO's default); otherwise stay there.
         guard: GRPO-Guard's regulated clipping (see :class:`FlowGRPO`).
+        post_solver: The ODE after the window: ``euler`` (MixGRPO) or ``dpm2`` (MixGRPO-Flash).
+        post_keep: With ``dpm2``, the fraction of the schedule's points after the window that are kept (MixGRPO-Flash:
+            0.4); 1 keeps every step.
     """
 
     def __init__(
@@ -39,8 +48,15 @@ class MixGRPO(FlowGRPO):
         max_start: int | None = None,
         roll_back: bool = True,
         guard: bool = False,
+        post_solver: Literal["euler", "dpm2"] = "euler",
+        post_keep: float = 1.0,
     ) -> None:
         super().__init__(guard=guard)
+        # Checked here, at parse time, rather than at the first rollout.
+        StepPlan((0,), 1, post_solver=post_solver, post_keep=post_keep)
+        if post_solver == "euler" and post_keep != 1.0:
+            raise ValueError(f"post_keep={post_keep} thins the schedule for post_solver 'dpm2' only")
+        self.post_solver, self.post_keep = post_solver, post_keep
         if window_size < 1 or steps_per_window < 1 or stride < 1:
             got = f"{window_size}, {steps_per_window}, {stride}"
             raise ValueError(f"window_size, steps_per_window and stride must be >= 1, got {got}")
@@ -76,6 +92,10 @@ class MixGRPO(FlowGRPO):
         start = self.start_at(self.step, config)
         return start, start + self.window_size
 
+    def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
+        plan = super().plan(config, seed, request_ids, sample_indices)
+        return replace(plan, post_solver=self.post_solver, post_keep=self.post_keep)
+
     def describe(self, config: RolloutConfig) -> dict[str, Any]:
         start, end = self.window(config)
         return {
@@ -87,6 +107,7 @@ class MixGRPO(FlowGRPO):
                 "last_start": self.last_start(config),
                 "roll_back": self.roll_back,
             },
+            "post_window_ode": {"solver": self.post_solver, "keep": self.post_keep},
         }
 
     def least_steps(self, config: RolloutConfig) -> int:

@@ -101,14 +101,27 @@ class StepPlan:
     the ODE everywhere, with no record. Every sample records the same number of steps, so the record is
     rectangular; where they are varies by sample only when ``starts`` does. An algorithm builds one per
     rollout (:meth:`unirl_pl.algorithms.GeneratorAlgorithm.plan`).
+
+    ``post_solver`` is the ODE after the stochastic steps: ``euler`` (as before them), or ``dpm2``
+    (DPM-Solver++(2M), :func:`unirl_pl.sampling.dpm_solver_2m_step`) on the schedule's tail thinned to the
+    fraction ``post_keep`` of its points (:func:`unirl_pl.sampling.compress_tail`): MixGRPO-Flash. ``dpm2``
+    needs every sample at the same stochastic steps and step count.
     """
 
     starts: tuple[int, ...]
     size: int
     kind: str = "sde"
     noise_level: float = 0.7
+    post_solver: str = "euler"
+    post_keep: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.post_solver not in ("euler", "dpm2"):
+            raise ValueError(f"post_solver must be 'euler' or 'dpm2', got {self.post_solver!r}")
+        if not 0 < self.post_keep <= 1:
+            raise ValueError(f"post_keep must be in (0, 1], got {self.post_keep}")
+        if self.post_solver == "dpm2" and len(set(self.starts)) > 1:
+            raise ValueError("post_solver 'dpm2' needs every sample's stochastic steps at the same place")
         if self.size < 0 or any(s < 0 for s in self.starts):
             raise ValueError(f"a step plan needs size >= 0 and starts >= 0, got size {self.size}, starts {self.starts}")
         if self.noise_level < 0:

@@ -23,7 +23,7 @@ from unirl_pl.distributed import agree_max
 from unirl_pl.generators.schedule import Schedule
 from unirl_pl.loops.config import Profile, RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
-from unirl_pl.sampling import STOCHASTIC_STEPS, flow_sigmas, ode_step
+from unirl_pl.sampling import STOCHASTIC_STEPS, compress_tail, dpm_solver_2m_step, flow_sigmas, flow_x0, ode_step
 from unirl_pl.seeding import STREAM_NOISE, sample_generators
 
 SCHEDULE_FILE = "schedule.json"
@@ -159,6 +159,15 @@ class DiffusionDenoise:
         step_fn = STOCHASTIC_STEPS[plan.kind]
         steps = self._step_counts(n, num_steps, plan.least_steps())
         table = sigma_table(steps, self.sigmas)
+        # MixGRPO-Flash: the ODE after the stochastic steps runs DPM-Solver++(2M) on a thinned tail.
+        post = plan.post_solver == "dpm2" and stochastic
+        post_from = plan.starts[0] + plan.size if post else max(steps) + 1
+        if post:
+            tails = {c: compress_tail(self.sigmas(c), post_from, plan.post_keep) for c in set(steps)}
+            table = torch.zeros(n, max(t.numel() for t in tails.values()), dtype=torch.float64)
+            for i, count in enumerate(steps):
+                table[i, : tails[count].numel()] = tails[count]
+            steps = [tails[c].numel() - 1 for c in steps]
         gens_all = sample_generators(seed, request_ids, sample_indices, STREAM_NOISE)
         # Each sample draws its own start first either way, so its generator's later (SDE) draws do not
         # depend on the setting; a shared start then replaces it with the one of the request's sample 0.
@@ -179,6 +188,7 @@ class DiffusionDenoise:
             x = torch.stack(starts[a:b]).to(device)
             sig, counts, c_cond = table[a:b], steps[a:b], cond_rows(cond, slice(a, b))
             first = plan.starts[a:b]
+            x0_prev: Tensor | None = None  # each sample's previous x0 prediction (dpm2's second order)
             if stochastic:
                 c_prev = x.new_empty(b - a, size, *x.shape[1:])
                 c_sample = torch.empty_like(c_prev)
@@ -195,7 +205,13 @@ class DiffusionDenoise:
                 xs = x if rows is None else x.index_select(0, rows)
                 v = self.velocity(xs, s, cond_rows(c_cond, rows), uncond)
                 picked = [k for k, j in enumerate(live) if stochastic and first[j] <= i < first[j] + size]
-                if not picked:
+                if post and i >= post_from:
+                    assert x0_prev is not None
+                    x0 = flow_x0(xs, v, s)
+                    prev = x0_prev if rows is None else x0_prev.index_select(0, rows)
+                    x_next = dpm_solver_2m_step(xs, x0, s, s_next, prev, sig[live, i - 1])
+                    x0_prev = x0 if rows is None else x0_prev.index_copy(0, rows, x0)
+                elif not picked:
                     x_next = ode_step(xs, v, s, s_next)
                 else:
                     some = len(picked) < len(live)
@@ -215,6 +231,10 @@ class DiffusionDenoise:
                     c_prev[where] = xs if at is None else xs.index_select(0, at)
                     c_sample[where] = x_sto
                     c_logp[where] = logp
+                if post and i == post_from - 1:  # the last stochastic step's prediction starts dpm2's history
+                    x0_prev = torch.zeros_like(x, dtype=torch.float32)
+                    x0 = flow_x0(xs, v, s)
+                    x0_prev = x0 if rows is None else x0_prev.index_copy(0, rows, x0)
                 x = x_next if rows is None else x.index_copy(0, rows, x_next)
             latents.append(x)
             if stochastic:
