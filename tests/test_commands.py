@@ -77,3 +77,21 @@ def test_transformers_torchvision_notice_is_dropped_and_others_pass():
     )
     assert not logger.filter(record(notice))
     assert logger.filter(record("something else went wrong"))
+
+
+def test_library_warnings_about_what_we_do_on_purpose_are_dropped_and_others_pass():
+    import warnings
+
+    from unirl_pl.cli import quiet_library_warnings
+
+    dropped = [
+        ("`isinstance(treespec, LeafSpec)` is deprecated, use `isinstance(treespec, TreeSpec)`", FutureWarning),
+        ("Found 230 module(s) in eval mode at the start of training.", UserWarning),
+    ]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_library_warnings()
+        for message, category in dropped:
+            warnings.warn(message, category, stacklevel=1)
+        warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["something else is deprecated"]

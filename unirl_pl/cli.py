@@ -258,6 +258,18 @@ def check_recipe_files(args: list[str]) -> None:
             raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', None) or err})") from None
 
 
+def quiet_library_warnings() -> None:
+    """Drop the libraries' warnings about what this project does on purpose or cannot change."""
+    # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
+    # The module builds each experience from the prompt batch in its on_after_batch_transfer, by design.
+    warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_transfer` in `LightningModule`")
+    # Lightning's own pytree helper builds torch's deprecated LeafSpec at the first step of every fit.
+    warnings.filterwarnings(
+        "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+    )
+
+
 def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     """Run the CLI (``args`` as on the command line; None reads ``sys.argv``).
 
@@ -272,10 +284,7 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
         raise SystemExit(handled)
     set_threads()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # Frozen components (text encoder, VAE) stay in eval mode on purpose; Lightning warns about it.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode")
-    # The module builds each experience from the prompt batch in its on_after_batch_transfer, by design.
-    warnings.filterwarnings("ignore", message=r"You have overridden `on_after_batch_transfer` in `LightningModule`")
+    quiet_library_warnings()
     friendly = run and not os.environ.get("JSONARGPARSE_DEBUG")
     parser_kwargs: dict[str, Any] = {"prog": PROG}
     if friendly:
