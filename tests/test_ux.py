@@ -228,8 +228,10 @@ def test_config_error_is_one_short_message_and_exit_2(tmp_path):
         ),
         ("--model.num_steps=3", "'num_steps' is accepted at: --model.rollout.num_steps"),
         ("--data.prompts_per_stepp=3", "did you mean: --data.prompts_per_step"),
+        # A prefix of a real option: argparse's abbreviations would have taken it for --trainer.max_steps.
+        ("--trainer.max_step=3", "did you mean: --trainer.max_steps, --trainer.max_time"),
     ],
-    ids=["nested-too-shallow", "dataclass-field", "misspelled"],
+    ids=["nested-too-shallow", "dataclass-field", "misspelled", "abbreviated"],
 )
 def test_a_misplaced_option_is_told_where_it_lives(capsys, option, hint):
     with pytest.raises(SystemExit) as stop:

@@ -286,10 +286,12 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_library_warnings()
     friendly = run and not os.environ.get("JSONARGPARSE_DEBUG")
-    parser_kwargs: dict[str, Any] = {"prog": PROG}
+    # No abbreviations: argparse would take a typo such as --trainer.max_step=3 for --trainer.max_steps.
+    parser_kwargs: dict[str, Any] = {"prog": PROG, "allow_abbrev": False}
+    each: dict[str, Any] = {"allow_abbrev": False}
     if friendly:
-        parser_kwargs["exit_on_error"] = False
-        parser_kwargs.update({name: {"exit_on_error": False} for name in UniRLCLI.subcommands()})
+        parser_kwargs["exit_on_error"] = each["exit_on_error"] = False
+    parser_kwargs.update({name: dict(each) for name in UniRLCLI.subcommands()})
     try:
         if friendly:
             check_recipe_files(given)

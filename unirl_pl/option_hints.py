@@ -28,7 +28,7 @@ def refused_option(message: str) -> str | None:
     found = re.search(r"Option '(\w+)' is not accepted", message)
     if found:
         return found.group(1)
-    found = re.search(r"Unrecognized arguments?:\s*--([\w.]+)", message)
+    found = re.search(r"unrecognized arguments?:\s*--([\w.]+)", message, re.IGNORECASE)
     return found.group(1).rsplit(".", 1)[-1] if found else None
 
 
