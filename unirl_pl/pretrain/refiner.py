@@ -10,10 +10,9 @@ import lightning.pytorch as pl
 import torch
 from jsonargparse import lazy_instance
 from torch import Tensor
-from transformers import Qwen2ForCausalLM
 
 from unirl_pl.experts._common import seeded_cpu_init
-from unirl_pl.experts.llm import CausalLMExpert, TinyCausalLMExpert
+from unirl_pl.experts.llm import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.pretrain.common import warmup_cosine
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
@@ -76,7 +75,7 @@ class RefinerSFT(pl.LightningModule):
 
     def __init__(
         self,
-        llm: CausalLMExpert = lazy_instance(TinyCausalLMExpert),
+        llm: TinyCausalLMExpert = lazy_instance(TinyCausalLMExpert),
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,
@@ -88,8 +87,6 @@ class RefinerSFT(pl.LightningModule):
         super().__init__()
         if num_threads is not None:
             set_threads(num_threads)
-        if llm.pretrained_path is not None:
-            raise ValueError("RefinerSFT trains a fresh tiny LM; pretrained_path must be null")
         self.llm = llm
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.lr_floor = warmup_steps, lr_floor
@@ -102,7 +99,7 @@ class RefinerSFT(pl.LightningModule):
         tokenizer = build_shapes_tokenizer("left")
         with seeded_cpu_init(self.llm.init_seed):
             # The expert's own tiny config, so the exported model is what the RL run would have built.
-            model = Qwen2ForCausalLM(self.llm._tiny_config(tokenizer))
+            model = self.llm._base_model(tokenizer)
         self.llm.tokenizer = tokenizer
         self.llm.model = model
         # ``build()`` would pick the cache argument name; transformers 5 warns on the old one every call.
