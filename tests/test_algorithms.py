@@ -326,6 +326,7 @@ def nft():
     return build(*overlay("diffusion_nft"))
 
 
+@pytest.mark.slow
 def test_fast_records_one_step_per_sample_at_its_own_place_and_c2_holds(fast):
     model, dm = fast
     exp = collect(model, dm)
@@ -525,6 +526,7 @@ def test_nft_refuses_guidance():
         build(*overlay("diffusion_nft"), "--model.rollout.guidance_scale=2.0")
 
 
+@pytest.mark.slow
 def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
     expected = {
         "flow_grpo": ("generator_algorithm", FlowGRPO),

@@ -29,6 +29,7 @@ REQUIRED = [
 ]
 
 
+@pytest.mark.slow
 def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=3", "--trainer.val_check_interval=3")
     rows = read_metrics(cli)
@@ -49,6 +50,7 @@ def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
     assert schedule["sde_steps"] == list(range(*cfg.sde_window)) and schedule["source"].startswith("linear")
 
 
+@pytest.mark.slow
 def test_each_optimizer_has_its_own_learning_rate(tmp_path):
     cli = run_cli(
         tmp_path,
@@ -64,6 +66,7 @@ def test_each_optimizer_has_its_own_learning_rate(tmp_path):
     assert all(id(p) in llm_params for p in llm_opt.param_groups[0]["params"])
 
 
+@pytest.mark.slow
 def test_predict_writes_pngs(tmp_path):
     out = tmp_path / "pngs"
     main(
@@ -136,16 +139,19 @@ def test_unknown_key_in_a_recipe_file_is_named(no_build, capsys, tmp_path):
     assert "num_skip_refinment" in str(exc.value) + capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_samples_per_prompt_below_two(no_build, capsys):
     _expect_error(
         capsys, ["--data.samples_per_prompt=1", "--data.num_skip_refinement=0"], "samples_per_prompt must be >= 2"
     )
 
 
+@pytest.mark.slow
 def test_num_skip_refinement_not_below_samples(no_build, capsys):
     _expect_error(capsys, ["--data.num_skip_refinement=4"], "num_skip_refinement must be in")
 
 
+@pytest.mark.slow
 def test_empty_prompt_file(no_build, capsys, tmp_path):
     empty = tmp_path / "prompts.txt"
     empty.write_text("\n  \n")

@@ -71,6 +71,7 @@ def test_a_group_encodes_its_prompt_once_and_llm_updates_keep_the_cache_warm():
     assert calls[-1] == ["a"] * 8, "a text_encoder version change invalidates its features"
 
 
+@pytest.mark.slow
 def test_cache_size_and_offload_are_the_rollout_settings_and_offloaded_rows_are_host_copies():
     from tests.helpers import TINY
     from unirl_pl.cli import main
@@ -252,6 +253,7 @@ def test_refiner_format_and_contains_word():
 
 
 # ---------------------------------------------------------------- plugin check
+@pytest.mark.slow
 def test_plugin_callback_loads_by_class_path_from_a_recipe(tmp_path):
     cli = run_cli(
         tmp_path,
@@ -266,6 +268,7 @@ def test_plugin_callback_loads_by_class_path_from_a_recipe(tmp_path):
     assert len(read_metrics(cli)) >= 2
 
 
+@pytest.mark.slow
 def test_plugin_callback_fires_on_a_reward_outside_its_range(tmp_path):
     with pytest.raises(ValueError, match="outside"):
         run_cli(

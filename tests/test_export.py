@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from diffusers import SD3Transformer2DModel
 from peft import PeftModel
@@ -54,6 +55,7 @@ def _assert_roundtrip(module, out) -> None:
     assert (want_v - got_v).abs().max() <= 1e-6
 
 
+@pytest.mark.slow
 def test_adapter_export_callback_and_command_round_trip(tmp_path):
     out = tmp_path / "adapters"
     cli = run_cli(

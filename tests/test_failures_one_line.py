@@ -92,6 +92,7 @@ def test_reward_dotted_path_to_a_missing_module():
     )
 
 
+@pytest.mark.slow
 def test_the_cli_prints_the_files_line_and_exits_2(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a red circle"}\n{"prompt": "a blue", oops}\n')
@@ -160,6 +161,7 @@ def test_deleted_asset_is_named_by_the_manifest_before_the_tokenizer_loads(
         expert(pretrained_path=str(path)).build()
 
 
+@pytest.mark.slow
 def test_an_input_error_while_running_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """The text encoder is built in configure_model, after parsing: its manifest error still ends in one line."""
     path = _assets_without(tmp_path, monkeypatch, "text_encoder", "unirl_pl.experts.text_encoder.verify_assets")

@@ -269,6 +269,7 @@ def _poisoner(cli) -> PoisonGradient:
     return next(c for c in cli.trainer.callbacks if type(c).__name__ == "PoisonGradient")
 
 
+@pytest.mark.slow
 def test_a_finite_loss_with_a_non_finite_gradient_skips_the_step(tmp_path):
     """Fault: only the losses are checked, so a finite loss with an infinite gradient norm is applied."""
     cli = run_cli(

@@ -249,6 +249,7 @@ def test_c2_holds_bitwise_with_guidance_and_fires_when_the_recompute_drops_it(gu
         LogProbIdentityCheck().check(model, exp)
 
 
+@pytest.mark.slow
 def test_fit_with_guidance_passes_c2(tmp_path):
     cli = run_cli(
         tmp_path,

@@ -372,6 +372,7 @@ def fresh_fp() -> str:
     return fresh_fingerprint()
 
 
+@pytest.mark.slow
 def test_same_seed_gives_a_bit_identical_rollout_twice_in_one_process(fresh_fp):
     assert fresh_fingerprint() == fresh_fp
     # Power: the fingerprint does see a different seed.
@@ -529,6 +530,7 @@ def fit(tmp_path, callbacks: list[pl.Callback], *overrides: str):
     return cli
 
 
+@pytest.mark.slow
 def test_fit_gates_pass_on_the_default_recipe(tmp_path):
     gates = [LogProbIdentityCheck(), InterleaveParityCheck(every_n_steps=1, num_requests=2), WeightVersionLedger()]
     cli = fit(tmp_path, gates, "--trainer.max_steps=2")
@@ -541,11 +543,13 @@ def test_fit_gates_pass_on_the_default_recipe(tmp_path):
     assert len(parity) == 2 and max(parity) <= 1e-4, "parity runs at fit start and at step 1"
 
 
+@pytest.mark.slow
 def test_fit_c2_fires_when_a_weight_changes_before_the_recompute(tmp_path):
     with pytest.raises(LogProbIdentityError, match="expert 'llm' at step 0"):
         fit(tmp_path, [PerturbLoRA("llm"), LogProbIdentityCheck()], "--trainer.max_steps=1")
 
 
+@pytest.mark.slow
 def test_fit_parity_fires_at_fit_start_before_any_rollout(tmp_path, monkeypatch):
     shared_rng_generators(monkeypatch)
 

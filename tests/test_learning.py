@@ -69,6 +69,7 @@ def test_generator_only_without_a_refiner_learns_an_image_reward_and_never_runs_
     assert cli.model.llm is None and "version/llm" not in set().union(*rows)
 
 
+@pytest.mark.slow
 def test_generator_only_trains_the_dit_behind_the_frozen_refiners_greedy_rewrites(tmp_path):
     cli = run_cli(tmp_path, "--model.mode=generator_only", "--trainer.max_steps=2", *COMMON)
     model, dm = cli.model, cli.datamodule
@@ -115,6 +116,7 @@ def test_generator_update_is_a_real_policy_gradient_step(tmp_path):
     assert _rise(up_r, 5) > 0 > _rise(down_r, 5), (up_r, down_r)
 
 
+@pytest.mark.slow
 def test_joint_changes_both_adapters(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=3", "--trainer.limit_val_batches=0")
     dit_before = _lora(_fresh(FlowTransformerExpert))
@@ -128,6 +130,7 @@ def test_joint_changes_both_adapters(tmp_path):
     assert _same(base, {k: v for k, v in cli.model.generator.transformer.state_dict().items() if "lora" not in k})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["hierarchical"])
 def test_hierarchical_scheme_runs_and_groups_the_dit_by_refinement(tmp_path, scheme):
     cli = run_cli(

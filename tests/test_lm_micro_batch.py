@@ -78,6 +78,7 @@ def _loss_and_grads(model, record, advantages, algorithm, settings, micro: int |
     return out, grads, events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ALGORITHMS))
 @pytest.mark.parametrize("correction", ["off", "tis"])
 def test_chunked_loss_has_the_one_batch_gradient(setup, name, correction):

@@ -62,6 +62,7 @@ def _run(tmp_path, policy: str, steps: int = 4, **bad):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad", [{"rows": [3]}, {"rows": "all"}, {"value": float("inf")}], ids=["one-nan", "all-nan", "inf"]
 )
@@ -80,6 +81,7 @@ def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, bad):
     assert cli.model.ledger["transformer"] == 3 and cli.model.ledger["llm"] == 3
 
 
+@pytest.mark.slow
 def test_drop_removes_the_sample_and_trains_on(tmp_path):
     cli = _run(tmp_path, "drop", steps=3)
     rows = read_metrics(cli)
@@ -90,11 +92,13 @@ def test_drop_removes_the_sample_and_trains_on(tmp_path):
     assert any(not torch.equal(w1[k], w2[k]) for k in w1), "the step with a dropped sample still trains"
 
 
+@pytest.mark.slow
 def test_the_default_stops_the_run_naming_the_reward(tmp_path):
     with pytest.raises(ValueError, match=r"tests\.test_nonfinite\.poisoned"):
         _run(tmp_path, "error")
 
 
+@pytest.mark.slow
 def test_consecutive_skips_stop_the_run(tmp_path, monkeypatch):
     def always_bad(prompts, refined_prompts, images):
         return [float("nan")] * len(prompts)
@@ -114,6 +118,7 @@ def test_fill_dropped_puts_a_bad_sample_at_its_group_mean():
     assert everything.tolist() == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_is_never_written_with_non_finite_weights(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=1", *FAST)
     param = next(p for p in cli.model.parameters() if p.requires_grad)

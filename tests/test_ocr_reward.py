@@ -35,6 +35,7 @@ def test_edit_distance_and_score():
     assert ocr_score("anything", "") == 0.0
 
 
+@pytest.mark.slow
 def test_ocr_reward_reads_rendered_text():
     from unirl_pl.rewards import resolve_reward
 
@@ -51,6 +52,7 @@ def test_ocr_reward_reads_rendered_text():
     assert no_quote == 0.0  # no quoted text: scored 0 without running OCR
 
 
+@pytest.mark.slow
 def test_ocr_reward_video_averages_frames():
     from unirl_pl.rewards.ocr import OCRReward
 

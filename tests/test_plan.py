@@ -79,6 +79,7 @@ def _plan_tiny(recipe, folders: tuple[Path, str], real: bool = False):
 # ------------------------------------------------------------------ fake vs real
 
 
+@pytest.mark.slow
 def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
     """Every phase's tracked peak on fake tensors is within 10% of the same code on the real tiny models
     (weights loaded by their own ``build()``), also without the experience both sides build alike."""
@@ -101,6 +102,7 @@ def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
     )
 
 
+@pytest.mark.slow
 def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit_update(folders):
     """With ``rollout.lm_micro_batch_size`` the refiner's loss is backpropagated before the DiT's update: what
     it holds there shrinks from its whole graph to its LoRA gradients, and the DiT update's peak with it."""
@@ -140,6 +142,7 @@ def _update_peak(generator: SD3Generator, samples: int, micro_batch: int | None)
     return tracker.peak().total - before
 
 
+@pytest.mark.slow
 def test_dit_update_peak_is_flat_in_samples_per_prompt(folders):
     """With micro_batch_size set, 8 samples per prompt peak within 15% of 2 (the update runs one micro-batch
     and one step at a time); all rows at once, the peak grows with the samples, so the check can fail."""
@@ -266,6 +269,7 @@ def test_shipped_configs_build_the_published_sizes(folder, cls, billions):
 # ------------------------------------------------------------------ the command
 
 
+@pytest.mark.slow
 def test_plan_command_prints_the_table_and_writes_json(folders, tmp_path, capsys):
     pipeline, lm = folders
     out = tmp_path / "plan.json"

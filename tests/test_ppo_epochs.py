@@ -14,6 +14,7 @@ FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model
 EPOCHS = "--model.ppo_epochs=2"
 
 
+@pytest.mark.slow
 def test_max_steps_counts_rl_steps_not_epochs(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=4", EPOCHS, *FAST)
     rows = read_metrics(cli)
@@ -23,6 +24,7 @@ def test_max_steps_counts_rl_steps_not_epochs(tmp_path):
     assert cli.model.ledger.as_dict()["llm"] == 8 and cli.model.ledger.as_dict()["transformer"] == 8
 
 
+@pytest.mark.slow
 def test_ratio_leaves_one_only_from_the_second_epoch(tmp_path, monkeypatch):
     # Largest |ratio - 1| of each loss call, in call order (epoch 0, epoch 1, ...).
     seen: dict[str, list[float]] = {"llm": [], "transformer": []}

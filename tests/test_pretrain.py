@@ -162,6 +162,7 @@ def test_shipped_assets_are_small_safetensors() -> None:
     assert not [p for p in files if p.suffix in (".bin", ".pt", ".ckpt")]
 
 
+@pytest.mark.slow
 def test_shipped_dit_follows_canonical_captions_far_above_chance(shipped) -> None:
     # Chance = the same generator and noise drawing a different scene's caption (rolled by 3, another
     # category), scored against this one: what a model ignoring its prompt would get. Strict scores on

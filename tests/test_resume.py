@@ -30,6 +30,7 @@ def _train_rows(cli) -> list[dict[str, float]]:
     return [r for r in read_metrics(cli) if "reward/mean" in r]
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact(tmp_path):
     ckpts = tmp_path / "ckpts"
     full = run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, *_ckpt_callback(ckpts).split(), name="full")
@@ -58,6 +59,7 @@ def test_resume_is_bit_exact(tmp_path):
         assert want == got
 
 
+@pytest.mark.slow
 def test_resume_from_different_step_diverges(tmp_path):
     """The exactness test above can fail: resuming from the wrong position changes the adapters."""
     ckpts = tmp_path / "ckpts"
@@ -89,6 +91,7 @@ def test_crash_mid_write_keeps_previous_checkpoint(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"], "no temp file left behind"
 
 
+@pytest.mark.slow
 def test_cli_uses_atomic_io(tmp_path):
     cli = run_cli(tmp_path, "--trainer.max_steps=1", *FAST)
     assert isinstance(cli.trainer.strategy.checkpoint_io, AtomicCheckpointIO)
@@ -103,6 +106,7 @@ def first_run(tmp_path_factory) -> Path:
     return ckpts / f"epoch=0-step={N}.ckpt"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "change, key",
     [
@@ -121,6 +125,7 @@ def test_resume_with_a_changed_run_identity_is_refused(first_run, tmp_path, chan
     assert "resume" in str(err.value).lower() or "checkpoint" in str(err.value).lower()
 
 
+@pytest.mark.slow
 def test_the_shipped_recipe_checkpoints_last_and_resumes_from_it(tmp_path):
     """`--ckpt_path last` continues the latest run from the recipe's fixed checkpoint folder."""
     from unirl_pl.cli import main

@@ -235,6 +235,7 @@ def fit(tmp_path, gate: LogProbIdentityCheck, *overrides: str):
     return cli
 
 
+@pytest.mark.slow
 def test_bf16_run_with_the_correction_trains_and_anchors_every_epoch_at_the_first_recompute(tmp_path, monkeypatch):
     olds: dict[str, list[torch.Tensor]] = {"llm": [], "transformer": []}
 
@@ -270,6 +271,7 @@ def test_bf16_run_with_the_correction_trains_and_anchors_every_epoch_at_the_firs
             assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True)), name
 
 
+@pytest.mark.slow
 def test_bf16_run_without_the_correction_stops_at_c2(tmp_path):
     gate = LogProbIdentityCheck()
     with pytest.raises(LogProbIdentityError, match="expert 'llm' at step 0.*rollout_correction=tis"):
@@ -279,6 +281,7 @@ def test_bf16_run_without_the_correction_stops_at_c2(tmp_path):
     assert dit["clip_frac_high"] + dit["clip_frac_low"] > 0.5
 
 
+@pytest.mark.slow
 def test_fp32_run_with_an_injected_mismatch_still_stops(tmp_path):
     with pytest.raises(LogProbIdentityError, match="expert 'llm' at step 0"):
         fit(tmp_path, LogProbIdentityCheck(), "--trainer.max_steps=1")

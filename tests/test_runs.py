@@ -43,6 +43,7 @@ def test_validate_last_without_a_logger_is_refused():
         RunCheckpoint()._find_last_checkpoints(trainer)
 
 
+@pytest.mark.slow
 def test_two_runs_keep_their_checkpoints_and_last_resumes_the_second(tmp_path):
     """Two runs of the shipped tiny recipe: two version folders with their own checkpoints; then
     ``--ckpt_path last`` resumes the second (step 2, not the first's step 1) into a third folder."""
@@ -76,6 +77,7 @@ def _summary_rows(cli) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- before RL -> after
+@pytest.mark.slow
 def test_summary_and_curve_show_validation_before_rl(tmp_path):
     cli = main(
         [

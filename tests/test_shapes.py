@@ -272,6 +272,7 @@ def test_render_is_deterministic_crisp_and_black() -> None:
     assert (0, 0, 0) in colors
 
 
+@pytest.mark.slow
 def test_verifier_accuracy_clean_noisy_blurred() -> None:
     specs = _scenes(200, seed=123)  # 1200 scenes, 200 per category
     images = render_batch(specs, seed=123).astype(np.float32) / 255.0

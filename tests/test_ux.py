@@ -34,6 +34,7 @@ def _own_lines(text: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- progress
+@pytest.mark.slow
 def test_progress_counts_global_steps_after_resume(tmp_path, capsys):
     ckpts = tmp_path / "ckpts"
     run_cli(
@@ -84,6 +85,7 @@ def _returns_first_batch(monkeypatch):
     monkeypatch.setattr(UniRLModule, "validation_step", validation_step)
 
 
+@pytest.mark.slow
 def test_run_summary_curve_and_validation_images(tmp_path, monkeypatch, capsys):
     _returns_first_batch(monkeypatch)
     cli = run_cli(
@@ -135,6 +137,7 @@ def _predict(prompts: str, out: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_predict_twice_lists_exactly_its_files(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "pred"
@@ -313,6 +316,7 @@ def test_class_help_is_named_as_the_user_runs_it(capsys):
     assert "__main__" not in out and "--model.rollout" in out
 
 
+@pytest.mark.slow
 def test_no_progress_bar_drops_the_recipes_bar_instead_of_a_traceback():
     from lightning.pytorch.callbacks import ProgressBar
 
