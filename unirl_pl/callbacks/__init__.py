@@ -1,5 +1,6 @@
 """Built-in gates (callbacks that enforce an invariant every step) and the prediction writer."""
 
+from unirl_pl.callbacks.adapter_off import AdapterOff
 from unirl_pl.callbacks.c2 import LogProbIdentityCheck
 from unirl_pl.callbacks.cpu_clock import TrainCPUClock
 from unirl_pl.callbacks.export import AdapterExport
@@ -12,6 +13,7 @@ from unirl_pl.callbacks.summary import RunSummary
 from unirl_pl.callbacks.writer import ImageWriter, ValidationImages
 
 __all__ = [
+    "AdapterOff",
     "AdapterExport",
     "ImageWriter",
     "InterleaveParityCheck",
