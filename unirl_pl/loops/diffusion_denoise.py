@@ -232,9 +232,8 @@ class DiffusionDenoise:
                     c_sample[where] = x_sto
                     c_logp[where] = logp
                 if post and i == post_from - 1:  # the last stochastic step's prediction starts dpm2's history
-                    x0_prev = torch.zeros_like(x, dtype=torch.float32)
                     x0 = flow_x0(xs, v, s)
-                    x0_prev = x0 if rows is None else x0_prev.index_copy(0, rows, x0)
+                    x0_prev = x0 if rows is None else torch.zeros_like(x, dtype=torch.float32).index_copy(0, rows, x0)
                 x = x_next if rows is None else x.index_copy(0, rows, x_next)
             latents.append(x)
             if stochastic:
