@@ -139,3 +139,22 @@ def test_bench_reports_every_phase_and_a_finite_ratio():
     assert project["overhead"] >= 0
     assert sum(project[p] for p in PHASES) == pytest.approx(project["total"])
     assert set(project) <= {*PHASES, "total"}, "a phase the table does not show"
+
+
+@pytest.mark.slow
+def test_the_floor_runs_the_recipes_own_stochastic_step_and_refuses_what_it_does_not_cover():
+    from unirl_pl.bench.floor import Floor
+    from unirl_pl.cli import main
+    from unirl_pl.sampling import cps_step_with_logprob, flow_sde_step_with_logprob
+
+    def floor_of(*overlay: str) -> Floor:
+        cli = main(["--config", "recipes/tiny.yaml", *overlay, "--trainer.logger=false"], run=False)
+        cli.model.configure_model()
+        return Floor(cli.model, cli.datamodule.layout)
+
+    plain = floor_of()
+    assert plain.stochastic_step is flow_sde_step_with_logprob and plain.noise_level == 0.7
+    cps = floor_of("--config", "recipes/algorithms/cps.yaml")
+    assert cps.stochastic_step is cps_step_with_logprob and cps.noise_level == 0.8
+    with pytest.raises(ValueError, match="covers Flow-GRPO and Flow-CPS"):
+        floor_of("--config", "recipes/algorithms/diffusion_nft.yaml")

@@ -2,7 +2,7 @@
 
 Tokenize, a KV-cache decode loop over the LM with ``torch.multinomial`` on the batch (as many tokens as the
 project step decoded), one batched text encode of the step's distinct texts, the flow sampler (ODE outside
-the SDE window, :func:`unirl_pl.sampling.flow_sde_step_with_logprob` inside), decode to pixels, the reward
+the SDE window, the recipe's stochastic step inside: Flow-GRPO's SDE or Flow-CPS), decode to pixels, the reward
 terms, group advantages, the LM's teacher-forced forward with the GRPO loss and backward, the DiT's per-step
 forward with the Flow-GRPO loss and backward per step, the KL reference forwards (adapter disabled) when the
 expert's ``beta`` > 0, gradient clipping and AdamW steps. It times itself phase by phase (the same rows as
@@ -36,8 +36,19 @@ class Floor:
             raise ValueError("the floor covers the ComponentGenerator (tiny and ShapesWorld recipes)")
         if layout.images_per_refinement != 1:
             raise ValueError("the floor covers one image per text sample (images_per_refinement=1)")
+        from unirl_pl.algorithms import FlowCPS, FlowGRPO
+        from unirl_pl.sampling import STOCHASTIC_STEPS
+
+        algorithm = model.generator_algorithm
+        if type(algorithm) not in (FlowGRPO, FlowCPS) or algorithm.guard:
+            raise ValueError(
+                f"the floor covers Flow-GRPO and Flow-CPS on a fixed window, got {type(algorithm).__name__}"
+            )
         self.model, self.layout = model, layout
         self.cfg = model.rollout_config
+        # The recipe's own stochastic step (Flow-GRPO's SDE or CPS), noise level and window.
+        self.stochastic_step = STOCHASTIC_STEPS[algorithm.kind]
+        self.noise_level, self.window = algorithm.noise_level(self.cfg), algorithm.window(self.cfg)
         self.llm, self.gen = model.llm, model.generator
         self.lm = model.llm.model  # the peft model
         self.dit = model.generator.transformer.model  # the diffusers transformer with its adapter
@@ -92,7 +103,7 @@ class Floor:
         """One floor step on ``prompts``, decoding ``num_tokens`` tokens; CPU seconds by phase and ``total``."""
         from transformers import DynamicCache
 
-        from unirl_pl.sampling import flow_sde_step_with_logprob, flow_sigmas
+        from unirl_pl.sampling import flow_sigmas
 
         cfg, layout, g = self.cfg, self.layout, self.generator
         tok, llm = self.tokenizer, self.llm
@@ -164,14 +175,14 @@ class Floor:
 
             # ---- denoise: ODE outside the window, SDE with log-prob inside
             sigmas = flow_sigmas(cfg.num_steps, cfg.shift or 1.0).tolist()
-            w0, w1 = cfg.sde_window
+            (w0, w1), noise, step_fn = self.window, self.noise_level, self.stochastic_step
             x = torch.randn(n, *self.gen.latent_shape, generator=g)
             prev, sample, old_dit_logp = [], [], []
             for i in range(cfg.num_steps):
                 v = self._velocity(x, sigmas[i], hidden, pooled)
-                if w0 <= i < w1 and cfg.noise_level > 0:
-                    x_next, logp, _, _ = flow_sde_step_with_logprob(
-                        x, v, sigmas[i], sigmas[i + 1], sigma_max=sigmas[1], noise_level=cfg.noise_level, generator=g
+                if w0 <= i < w1 and noise > 0:
+                    x_next, logp, _, _ = step_fn(
+                        x, v, sigmas[i], sigmas[i + 1], sigma_max=sigmas[1], noise_level=noise, generator=g
                     )
                     prev.append(x)
                     sample.append(x_next)
@@ -230,13 +241,13 @@ class Floor:
         for j in range(steps):
             i = w0 + j
             v = self._velocity(prev[j], sigmas[i], hidden, pooled)
-            _, logp, mean, std = flow_sde_step_with_logprob(
+            _, logp, mean, std = step_fn(
                 prev[j],
                 v,
                 sigmas[i],
                 sigmas[i + 1],
                 sigma_max=sigmas[1],
-                noise_level=cfg.noise_level,
+                noise_level=noise,
                 prev_sample=sample[j],
             )
             ratio = torch.exp(logp - old_dit_logp[j])
@@ -245,13 +256,13 @@ class Floor:
             if dit_set.beta > 0:
                 with torch.no_grad(), self._dit_reference():
                     v_ref = self._velocity(prev[j], sigmas[i], hidden, pooled)
-                    _, _, ref_mean, _ = flow_sde_step_with_logprob(
+                    _, _, ref_mean, _ = step_fn(
                         prev[j],
                         v_ref,
                         sigmas[i],
                         sigmas[i + 1],
                         sigma_max=sigmas[1],
-                        noise_level=cfg.noise_level,
+                        noise_level=noise,
                         prev_sample=sample[j],
                     )
                 kl = ((mean - ref_mean) ** 2).flatten(1).mean(1) / (2 * std.flatten(1)[:, 0] ** 2)
