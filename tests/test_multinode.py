@@ -39,7 +39,7 @@ TORCHRUN_OPTIONS = {"nnodes", "nproc-per-node", "rdzv-backend", "rdzv-endpoint",
 # The main recipe shrunk to about 30 s a run on 2 cores: 3 steps of 2 prompts x 2 samples (one prompt per
 # rank), no validation. The recipe's own callbacks stay, C2 and parity included.
 SIZES = [
-    "--trainer.max_steps=3",
+    "--trainer.max_steps=2",
     "--trainer.limit_val_batches=0",
     "--trainer.num_sanity_val_steps=0",
     "--trainer.enable_model_summary=false",
@@ -274,13 +274,13 @@ def test_two_nodes_equal_one_node_of_two_processes(tmp_path):
     print(f"single node + two nodes: {time.monotonic() - start:.1f} s")
     single, nodes = _metrics(tmp_path / "single"), _metrics(tmp_path / "nodes")
     rewards = [r["reward/mean"] for r in nodes if r.get("reward/mean")]
-    assert len(rewards) == 3, rewards
+    assert len(rewards) == 2, rewards
     assert nodes == single, f"metrics.csv, 2 nodes vs 1 node: {_first_difference(nodes, single)}"
     for rank in range(2):
         name = f"rollout_rank{rank}.jsonl"
         rows = (tmp_path / "nodes" / name).read_text().splitlines()
         twin = (tmp_path / "single" / name).read_text().splitlines()
-        assert len(rows) == 3, rows
+        assert len(rows) == 2, rows
         for node_row, single_row in zip(rows, twin, strict=True):
             assert node_row == single_row, f"{name}, 2 nodes vs 1 node:\n{node_row}\n{single_row}"
     a, b = _adapters(tmp_path / "single"), _adapters(tmp_path / "nodes")
@@ -289,5 +289,5 @@ def test_two_nodes_equal_one_node_of_two_processes(tmp_path):
     # C2 green on the two nodes: the LM under the recipe's tolerance, the DiT bitwise (its exact tier).
     llm = [float(r["c2/llm_max_abs_diff"]) for r in nodes if r.get("c2/llm_max_abs_diff")]
     dit = [float(r["c2/transformer_max_abs_diff"]) for r in nodes if r.get("c2/transformer_max_abs_diff")]
-    assert len(llm) == 3 and max(llm) <= _c2_tolerance()
-    assert dit == [0.0, 0.0, 0.0]
+    assert len(llm) == 2 and max(llm) <= _c2_tolerance()
+    assert dit == [0.0, 0.0]

@@ -30,10 +30,27 @@ def _train_rows(cli) -> list[dict[str, float]]:
     return [r for r in read_metrics(cli) if "reward/mean" in r]
 
 
+OVERLAYS = Path(__file__).resolve().parents[1] / "recipes" / "algorithms"
+# Algorithms whose rollout depends on the step or the rewards: MixGRPO-Flash's window moves every step (and
+# runs DPM-Solver++ after it) while DAPO drops zero-spread groups; Fast places each sample's window by its
+# seed while GSPO's ratio is per sequence.
+ALGORITHMS = {
+    "default": (),
+    "mix_grpo_flash+dapo": (
+        f"--config={OVERLAYS / 'mix_grpo_flash.yaml'}",
+        f"--config={OVERLAYS / 'dapo.yaml'}",
+        "--model.generator_algorithm.init_args.steps_per_window=1",
+    ),
+    "flow_grpo_fast+gspo": (f"--config={OVERLAYS / 'flow_grpo_fast.yaml'}", f"--config={OVERLAYS / 'gspo.yaml'}"),
+}
+
+
 @pytest.mark.slow
-def test_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("algorithms", list(ALGORITHMS.values()), ids=list(ALGORITHMS))
+def test_resume_is_bit_exact(tmp_path, algorithms):
     ckpts = tmp_path / "ckpts"
-    full = run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, *_ckpt_callback(ckpts).split(), name="full")
+    run = (f"--trainer.max_steps={2 * N}", *FAST, *algorithms)
+    full = run_cli(tmp_path, *run, *_ckpt_callback(ckpts).split(), name="full")
     ckpt = ckpts / f"epoch=0-step={N}.ckpt"
     assert ckpt.is_file(), sorted(p.name for p in ckpts.iterdir())
 
@@ -43,7 +60,7 @@ def test_resume_is_bit_exact(tmp_path):
     assert all("lora_" in k for k in saved["state_dict"]), "only adapter tensors are kept"
     assert len(saved["optimizer_states"]) == 2 and "unirl_rng" in saved
 
-    resumed = run_cli(tmp_path, f"--trainer.max_steps={2 * N}", *FAST, f"--ckpt_path={ckpt}", name="resumed")
+    resumed = run_cli(tmp_path, *run, f"--ckpt_path={ckpt}", name="resumed")
     a, b = _trainable(full), _trainable(resumed)
     assert a.keys() == b.keys() and a
     diffs = {k: (a[k] - b[k]).abs().max().item() for k in a}
