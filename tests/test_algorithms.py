@@ -20,7 +20,6 @@ import yaml
 from tests.helpers import JOINT, ROOT, TINY
 from unirl_pl.algorithms import DAPO, GSPO, DiffusionNFT, FlowCPS, FlowGRPO, FlowGRPOFast, MixGRPO, TokenGRPO
 from unirl_pl.algorithms.flow_grpo_fast import STREAM_WINDOW
-from unirl_pl.algorithms.token_grpo import informative_groups
 from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
@@ -30,6 +29,7 @@ from unirl_pl.losses import (
     grpo_guard_loss,
     grpo_token_loss,
     gspo_loss,
+    informative_groups,
     nft_loss,
     optimality_probability,
     refiner_token_loss,

@@ -10,6 +10,9 @@ def test_group_advantages_normalize_within_groups():
     a = group_advantages(r, g)
     assert torch.allclose(a, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-3)
     assert zero_std_fraction(r, g) == pytest.approx(1 / 3)
+    # Ids need not be contiguous: only the groups present count (0 and 5 here; 5 is flat).
+    assert zero_std_fraction(torch.tensor([0.0, 1.0, 2.0, 2.0]), torch.tensor([0, 0, 5, 5])) == 0.5
+    assert zero_std_fraction(torch.tensor([float("nan"), 1.0]), torch.tensor([0, 0])) == 0.0, "NaN is not flat"
 
 
 def test_group_advantages_global_std_and_clip():

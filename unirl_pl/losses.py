@@ -46,11 +46,25 @@ def group_advantages(
     return adv.clamp(-clip_max, clip_max).to(rewards.dtype)
 
 
+def informative_groups(rewards: Tensor, groups: Tensor, tol: float = 1e-8) -> Tensor:
+    """(G,) bool over the group ids ``0..max(groups)``: which have a reward spread (population std) above ``tol``.
+
+    ``rewards`` and ``groups`` are per sample; a group with one sample, with all rewards equal, or with no
+    sample has none. A non-finite spread counts as a spread (it is not a group of equal rewards).
+    """
+    count = int(groups.max()) + 1 if groups.numel() else 0
+    rewards, groups = rewards.double().cpu(), groups.cpu()
+    n = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, torch.ones_like(rewards))
+    mean = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, rewards) / n.clamp_min(1)
+    var = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, (rewards - mean[groups]) ** 2) / n.clamp_min(1)
+    return ~(var.sqrt() <= tol)
+
+
 def zero_std_fraction(rewards: Tensor, group_ids: Tensor, tol: float = 1e-8) -> float:
-    """Fraction of groups whose rewards are all equal: they carry no learning signal."""
-    groups = torch.unique(group_ids)
-    flat = [float(rewards[group_ids == g].std(unbiased=False)) <= tol for g in groups]
-    return sum(flat) / max(len(flat), 1)
+    """Fraction of the groups present whose rewards are all equal: they carry no learning signal."""
+    present = torch.bincount(group_ids.cpu()) > 0 if group_ids.numel() else torch.zeros(0, dtype=torch.bool)
+    flat = ~informative_groups(rewards, group_ids, tol)[present]
+    return int(flat.sum()) / len(flat) if len(flat) else 0.0
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

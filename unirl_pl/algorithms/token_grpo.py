@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
-from unirl_pl.losses import LossOutput, refiner_token_loss
+from unirl_pl.losses import LossOutput, informative_groups, refiner_token_loss
 from unirl_pl.method import grpo
 from unirl_pl.records import LMRecord
 
@@ -117,16 +117,3 @@ class DAPO(TokenGRPO):
         if self._trained_groups is not None:
             metrics[f"{name}/train_groups"] = float(self._trained_groups)
         return metrics
-
-
-def informative_groups(rewards: Tensor, groups: Tensor, tol: float = 1e-8) -> Tensor:
-    """(P,) bool: which of the groups ``0..P-1`` have a reward spread (population std) above ``tol``.
-
-    ``rewards`` and ``groups`` are per sample; a group with one sample, or all rewards equal, has none.
-    """
-    count = int(groups.max()) + 1 if groups.numel() else 0
-    rewards = rewards.double()
-    n = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, torch.ones_like(rewards))
-    mean = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, rewards) / n.clamp_min(1)
-    var = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, (rewards - mean[groups]) ** 2) / n.clamp_min(1)
-    return var.sqrt() > tol
