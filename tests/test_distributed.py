@@ -1,4 +1,5 @@
-"""Gradient parity across strategies: one SGD step on 2 ranks (DDP, FSDP2) == one step in 1 process, same P prompts.
+"""Gradient parity across strategies: one RL step on 2 ranks (DDP, FSDP2) == one step in 1 process, same P prompts
+(two SGD updates per rollout: two mini-batches).
 
 SGD (not Adam) and no gradient clipping, because Adam's first step is ``lr * sign(g)`` and clipping
 rescales: either would hide a rank-summed instead of rank-averaged gradient (pytorch issue 162338).
@@ -28,8 +29,10 @@ STEP = [
     "--model.llm_optimizer.init_args.lr=0.1",
     "--model.transformer_optimizer=torch.optim.SGD",
     "--model.transformer_optimizer.init_args.lr=0.1",
-    '--model.llm_loss={"clip_eps": 0.2, "beta": 0.01, "grad_clip": null}',
-    '--model.transformer_loss={"clip_eps": 1.0e-4, "beta": 0.004, "grad_clip": null}',
+    # Two optimizer steps per rollout: the second one's gradient is taken at weights the first moved, so the
+    # ranks must split the rollout into the same global mini-batches as one process.
+    '--model.llm_loss={"clip_eps": 0.2, "beta": 0.01, "grad_clip": null, "mini_batches": 2}',
+    '--model.transformer_loss={"clip_eps": 1.0e-4, "beta": 0.004, "grad_clip": null, "mini_batches": 2}',
     "--data.init_args.prompts_per_step=4",
     # Each rank divides by the global batch's reward std, not its own half's: a rank that used its local
     # std would break the parity below (the per-group mean and std never span ranks).
@@ -54,7 +57,7 @@ def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
     )
     (ckpt,) = ckpts.glob("*.ckpt")
     state = torch.load(ckpt, weights_only=True)
-    assert state["unirl_versions"]["llm"] == 1 and state["unirl_versions"]["transformer"] == 1
+    assert state["unirl_versions"]["llm"] == 2 and state["unirl_versions"]["transformer"] == 2, "2 mini-batches"
     return {k: v.float() for k, v in state["state_dict"].items() if "lora_" in k}
 
 
@@ -127,6 +130,6 @@ def test_fsdp2_resume_is_bit_exact(tmp_path):
     resumed = _run_fsdp2(tmp_path, "resumed", f"--ckpt_path={full / 'epoch=0-step=1.ckpt'}")
     a = torch.load(full / "epoch=0-step=2.ckpt", weights_only=True)
     b = torch.load(resumed / "epoch=0-step=2.ckpt", weights_only=True)
-    assert a["unirl_versions"] == b["unirl_versions"] and a["unirl_versions"]["llm"] == 2
+    assert a["unirl_versions"] == b["unirl_versions"] and a["unirl_versions"]["llm"] == 4, "2 steps x 2 mini-batches"
     lora = [k for k in a["state_dict"] if "lora_" in k]
     assert lora and all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in lora)

@@ -11,6 +11,10 @@ the module is rebuilt from the run's recipe (or the ``config.yaml`` Lightning sa
 logs) and its trained weights come from a checkpoint::
 
     python -m unirl_pl.export --config recipes/joint.yaml --ckpt runs/.../last.ckpt --out adapters/
+
+When the checkpoint holds an EMA of the adapters (the ``unirl_pl.callbacks.EMA`` callback's state), the EMA
+weights are written, as Flow-GRPO saves its LoRA; ``--raw`` writes the training weights instead. The command
+prints which it wrote.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     parser.add_argument("--config", required=True, help="the run's recipe YAML (or the config.yaml it saved)")
     parser.add_argument("--ckpt", required=True, help="a checkpoint written by fit")
     parser.add_argument("--out", required=True, help="output folder; gets llm/ and transformer/")
+    parser.add_argument(
+        "--raw", action="store_true", help="write the training weights even when the checkpoint holds their EMA"
+    )
     args = parser.parse_args(argv)
     if not Path(args.ckpt).is_file():
         parser.error(f"checkpoint {args.ckpt!r} does not exist")
@@ -71,7 +78,18 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump(kept))
         cli = cli_main(["--config", str(path), "--trainer.logger=false"], run=False)
-    load_checkpoint_into(cli.model, args.ckpt)
+    checkpoint = load_checkpoint_into(cli.model, args.ckpt)
+    # Here, not at the top: unirl_pl.callbacks imports this module (AdapterExport).
+    from unirl_pl.callbacks.ema import STATE_KEY, apply_checkpoint_ema
+
+    ema = None if args.raw else apply_checkpoint_ema(cli.model, checkpoint)
+    if ema is not None:
+        experts = ", ".join(ema["components"])
+        print(f"weights: EMA of {experts} (decay {ema['decay']}, every {ema['every_n_steps']} steps)")
+    elif STATE_KEY in checkpoint.get("callbacks", {}):
+        print("weights: raw training weights (--raw; the checkpoint also holds their EMA)")
+    else:
+        print("weights: raw training weights (the checkpoint holds no EMA)")
     written = export_adapters(cli.model, args.out)
     for name, path in written.items():
         print(f"{name}: {path}")

@@ -105,7 +105,30 @@ class LossOutput:
 
 
 def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return (x * mask).sum() / mask.sum().clamp_min(1)
+    return _on_real(x, mask).sum() / mask.sum().clamp_min(1)
+
+
+def _on_real(x: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
+    """``x`` on the real positions of ``mask`` (0/1 or bool) and ``fill`` on the padded ones.
+
+    A where, never a product with the mask: a padded position may hold -inf (a finished row's pad token
+    outside the top-k has log-prob -inf), and ``-inf * 0`` is NaN in the loss, or in the gradient of every
+    term it passes through. Applied to a loss's inputs, padded positions contribute exact zeros to both.
+    """
+    return torch.where(mask.bool(), x, torch.full_like(x, fill))
+
+
+def _real_inputs(
+    mask: Tensor, logp: Tensor, old_logp: Tensor, ref_logp: Tensor | None, is_weights: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """A token loss's (N, T) inputs with their padded positions replaced (log-probs 0, importance weights 1),
+    so that whatever the record holds there (-inf, NaN) reaches neither the loss nor its gradient."""
+    return (
+        _on_real(logp, mask),
+        _on_real(old_logp, mask),
+        None if ref_logp is None else _on_real(ref_logp, mask),
+        None if is_weights is None else _on_real(is_weights, mask, 1.0),
+    )
 
 
 def _per_step_loss(
@@ -224,6 +247,7 @@ def grpo_token_loss(
     KL to the adapter-disabled reference. ``is_weights`` (N, T), the detached
     :func:`truncated_importance_weights`, multiply each token's clipped surrogate (not the KL term).
     """
+    logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
     mask = mask.to(logp.dtype)
     per_token, ratio, high, low = clipped_surrogate(logp, old_logp, advantages[:, None], clip_eps)
     if is_weights is not None:
@@ -327,6 +351,7 @@ def refiner_token_loss(
     refinements (the original GRPO). With ``eps_low == eps_high`` and ``token_mean`` this is
     :func:`grpo_token_loss`.
     """
+    logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
     maskf = mask.to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     per_token, high, low = asymmetric_clipped_surrogate(ratio, advantages[:, None], eps_low, eps_high)
@@ -349,7 +374,7 @@ def refiner_token_loss(
 def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
     """Mean over rows of each row's masked token mean; rows without a real token are left out (so a
     micro-batch's share of the mean is its share of the real rows)."""
-    per_row = (x * mask).sum(1) / mask.sum(1).clamp_min(1)
+    per_row = _on_real(x, mask).sum(1) / mask.sum(1).clamp_min(1)
     return per_row.sum() / (mask.sum(1) > 0).sum().clamp_min(1)
 
 
@@ -374,16 +399,17 @@ def gspo_loss(
     the k3 KL to the reference, averaged per refinement and then over refinements (the same units as the
     policy term).
     """
+    logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
     maskf = mask.to(logp.dtype)
     length = maskf.sum(1).clamp_min(1)
-    seq_log_ratio = ((logp - old_logp) * maskf).sum(1) / length
+    seq_log_ratio = _on_real(logp - old_logp, mask).sum(1) / length
     ratio = torch.exp(seq_log_ratio)
     per_seq, high, low = asymmetric_clipped_surrogate(ratio, advantages, eps_low, eps_high)
     if is_weights is not None:
-        per_seq = per_seq * torch.exp((torch.log(is_weights.detach()) * maskf).sum(1) / length)
+        per_seq = per_seq * torch.exp(_on_real(torch.log(is_weights.detach()), mask).sum(1) / length)
     real = mask.bool().any(1)
     weight = real.to(logp.dtype)
-    pg = (per_seq * weight).sum() / weight.sum().clamp_min(1)
+    pg = _on_real(per_seq, real).sum() / weight.sum().clamp_min(1)
     kl = _sequence_mean(k3_kl(logp, ref_logp), maskf) if ref_logp is not None else logp.new_zeros(())
     loss = pg + beta * kl if ref_logp is not None else pg
     r = ratio.detach()[real] if real.any() else ratio.new_ones(1)

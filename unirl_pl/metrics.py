@@ -29,6 +29,30 @@ def loss_metrics(name: str, out: LossOutput, grad_norm: Tensor) -> dict[str, Ten
     }
 
 
+def update_metrics(name: str, updates: list[tuple[LossOutput, Tensor]]) -> dict[str, Tensor]:
+    """An expert's :func:`loss_metrics` over the step's optimizer updates (PPO epochs x mini-batches): means of
+    the losses, ratio means, clip fractions, gradient norms and extras, the ratio's min and max over all, and
+    ``<name>/updates``. With one update it is that update's metrics exactly (and no ``updates`` key). The first
+    update is on-policy (ratio 1 up to numerics); the clip fractions and ratio spread come from the stale later
+    ones."""
+    first = loss_metrics(name, *updates[0])
+    if len(updates) == 1:
+        return first
+    rows = [loss_metrics(name, out, norm) for out, norm in updates]
+    merged: dict[str, Tensor] = {}
+    for key in first:
+        values = torch.stack([torch.as_tensor(r[key]).detach().float().reshape(()) for r in rows if key in r])
+        merged[key] = (
+            values.min()
+            if key.endswith("/ratio_min")
+            else values.max()
+            if key.endswith("/ratio_max")
+            else values.mean()
+        )
+    merged[f"{name}/updates"] = torch.tensor(float(len(updates)))
+    return merged
+
+
 def nonfinite_report(losses: dict[str, Tensor], grad_norms: dict[str, Tensor]) -> str:
     """Which of a step's losses and gradient norms were not finite, for the message of a skipped step.
 

@@ -35,8 +35,9 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig, write_sche
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
-from unirl_pl.method.policy import PolicyLosses
-from unirl_pl.metrics import log_step, loss_metrics, nonfinite_report, rollout_metrics
+from unirl_pl.method.minibatch import minibatch_rows
+from unirl_pl.method.policy import PolicyLosses, Rows
+from unirl_pl.metrics import log_step, nonfinite_report, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.versioning import VersionLedger, check_staleness
@@ -77,8 +78,10 @@ class UniRLModule(pl.LightningModule):
             its loss, what C2 checks, its schedule. ``FlowGRPO`` (default, on ``rollout.sde_window``),
             ``FlowGRPOFast``, ``MixGRPO``, ``FlowCPS``, ``DiffusionNFT``; overlays in ``recipes/algorithms/``.
         llm_algorithm: How the refiner learns: ``TokenGRPO`` (default), ``DAPO``, ``GSPO``.
-        ppo_epochs: Optimizer steps per experience; after the first, records are stale by design and
-            the ratio moves away from 1. One RL step is one trainer global step whatever the count.
+        ppo_epochs: Passes over each experience; each pass makes one optimizer step per mini-batch of each
+            expert (``llm_loss.mini_batches``, ``transformer_loss.mini_batches``). After the first update
+            records are stale by design and the ratio moves away from 1. One RL step is one trainer global step
+            whatever the count.
         on_stale: ``error`` (on-policy: a record whose producing version is not current at its first
             update stops the run) or ``log`` (staleness is logged).
         reshard_after_forward: FSDP2 only (``ModelParallelStrategy``): free each block's gathered
@@ -260,11 +263,12 @@ class UniRLModule(pl.LightningModule):
         return self.policy.recompute(exp, self.trained)
 
     # ------------------------------------------------------------------ training
-    def _loss(self, name: str, exp: Experience, weight: float = 1.0) -> LossOutput | None:
-        """Expert ``name``'s loss; the terms it backpropagates itself (the DiT's per step, the LM's per
-        micro-batch) are scaled by ``weight`` (:meth:`_token_weight`) as the returned loss would be."""
+    def _loss(self, name: str, exp: Experience, weight: float = 1.0, rows: Rows | None = None) -> LossOutput | None:
+        """Expert ``name``'s loss (of the mini-batch ``rows``); the terms it backpropagates itself (the DiT's per
+        step, the LM's per micro-batch) are scaled by ``weight`` (:meth:`_token_weight`) as the returned loss
+        would be."""
         assert self.policy is not None, "configure_model() builds the losses"
-        return self.policy.loss(name, exp, backward=lambda term: self.manual_backward(weight * term))
+        return self.policy.loss(name, exp, backward=lambda term: self.manual_backward(weight * term), rows=rows)
 
     # Lightning's backward, reported as the ``backward`` phase (:mod:`unirl_pl.timing`).
     manual_backward = timing.timed("backward")(pl.LightningModule.manual_backward)
@@ -323,36 +327,29 @@ class UniRLModule(pl.LightningModule):
         staleness = self._check_staleness(exp)
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
-        metrics: dict[str, Tensor | float] = {}
-        stepped: list[str] = []  # the experts whose first-epoch update was applied (not skipped)
-        for epoch in range(self.ppo_epochs):
-            for opt in opts.values():
-                opt.zero_grad(set_to_none=True)
-            # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
-            weights = {name: self._token_weight(name, exp) for name in opts}
-            outputs = {name: out for name in opts if (out := self._loss(name, exp, weights[name])) is not None}
-            if not outputs:
-                continue
-            if epoch == 0:
-                self._report_policy_logprobs(exp, outputs)
-            pending = [weights[n] * o.loss for n, o in outputs.items() if not o.backpropagated]
-            if pending:
-                self.manual_backward(sum(pending))
-            norms = {name: self._grad_norm(name) for name in outputs}
-            if not self._all_finite(outputs, norms):
-                if epoch == 0:
-                    self._skip(opts, outputs, norms)
-                break
-            for i, name in enumerate(outputs):
-                self._step(name, opts[name], counts_as_global_step=epoch == 0 and i == 0)
-                if epoch == 0:
-                    metrics.update(loss_metrics(name, outputs[name], norms[name]))
-            if epoch == 0:
-                self.consecutive_skips = 0
-                stepped = list(outputs)
         assert self.policy is not None
+        updates: dict[str, list[tuple[LossOutput, Tensor]]] = {name: [] for name in opts}
+        stepped: list[str] = []  # the experts whose first update was applied (not skipped)
+        reported = self._report_before_updates(exp, opts)
+        first = True
+        for epoch in range(self.ppo_epochs):
+            splits = {name: self._mini_batches(name, exp, epoch) for name in opts}
+            for u in range(max(len(s) for s in splits.values())):
+                active = {n: o for n, o in opts.items() if u < len(splits[n]) and splits[n][u] != {}}
+                applied = self._update(exp, active, {n: splits[n][u] for n in active}, first, reported, updates)
+                if applied is None:  # not finite: the first update skips the step, a later one ends it
+                    break
+                if applied and first:
+                    self.consecutive_skips, stepped, first = 0, applied, False
+            else:
+                continue
+            break
         for name in stepped:
             self.policy.end_step(name, step)
+        metrics: dict[str, Tensor | float] = {}
+        for name, done in updates.items():
+            if done and name in stepped:
+                metrics.update(update_metrics(name, done))
         versions = self.ledger.as_dict()
         records = self.policy.rollout_metrics(exp)
         metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), records))
@@ -368,6 +365,79 @@ class UniRLModule(pl.LightningModule):
                 sync_dist=True,
             )
 
+    def _update(
+        self,
+        exp: Experience,
+        opts: dict[str, Any],
+        rows: dict[str, Rows | None],
+        first: bool,
+        reported: bool,
+        updates: dict[str, list[tuple[LossOutput, Tensor]]],
+    ) -> list[str] | None:
+        """One optimizer step of each expert in ``opts`` on its mini-batch ``rows`` (None: the whole record).
+
+        Returns the experts that stepped, or None when a loss or gradient norm was not finite on some rank
+        (the first update of a step then skips it: weights, optimizer state and versions untouched).
+        """
+        for opt in opts.values():
+            opt.zero_grad(set_to_none=True)
+        # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
+        weights = {name: self._token_weight(name, exp, rows[name]) for name in opts}
+        outputs = {n: out for n in opts if (out := self._loss(n, exp, weights[n], rows[n])) is not None}
+        if not outputs:
+            return []
+        if first and not reported:
+            self._report_policy_logprobs(exp, outputs)
+        pending = [weights[n] * o.loss for n, o in outputs.items() if not o.backpropagated]
+        if pending:
+            self.manual_backward(sum(pending))
+        norms = {name: self._grad_norm(name) for name in outputs}
+        if not self._all_finite(outputs, norms):
+            if first:
+                self._skip(opts, outputs, norms)
+            return None
+        for i, name in enumerate(outputs):
+            self._step(name, opts[name], counts_as_global_step=first and i == 0)
+            updates[name].append((outputs[name], norms[name]))
+        return list(outputs)
+
+    def _mini_batches(self, name: str, exp: Experience, epoch: int) -> list[Rows | None]:
+        """Expert ``name``'s mini-batches of this PPO epoch: ``[None]`` (the whole record) for one, else per
+        mini-batch its loops' record rows (``{}`` where this rank holds no group of that mini-batch)."""
+        count = self.losses[name].mini_batches
+        assert self.policy is not None
+        loops = self.policy.loops_with_records(name, exp)
+        if count == 1 or not loops:
+            return [None]
+        parts: list[Rows] = [{} for _ in range(count)]
+        for loop in loops:
+            for j, index in enumerate(minibatch_rows(exp.row_requests[loop], count, exp.seed, epoch)):
+                if len(index):
+                    parts[j][loop] = index
+        if self._trainer is not None and self.trainer.world_size > 1 and any(not part for part in parts):
+            raise RuntimeError(
+                f"model.{name}_loss.mini_batches={count}: a mini-batch holds none of this rank's prompt groups "
+                "(every rank must step alike); use a multiple of mini_batches prompts per rank and keep every group"
+            )
+        return parts
+
+    def _report_before_updates(self, exp: Experience, opts: dict[str, Any]) -> bool:
+        """With mini-batches the first update sees only its own rows: the gates and the rollout correction's
+        anchors get one no-grad recompute of every record before any update instead. Returns whether it ran."""
+        assert self.policy is not None
+        if all(self.losses[name].mini_batches == 1 for name in opts):
+            return False
+        self.policy.before_updates(exp, list(opts))
+        gated = self._trainer is not None and any(hasattr(c, "on_policy_logprobs") for c in self.trainer.callbacks)
+        corrected = any(self.losses[name].rollout_correction != "off" for name in opts)
+        if not (gated or corrected):
+            return True
+        values = self.policy.recompute(exp, list(opts))
+        self.policy.keep_anchors(exp, values)
+        if gated:
+            notify_policy_logprobs(self.trainer, self, exp, values)
+        return True
+
     def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
         """Hand the first training forward's log-probs (weights not yet stepped) to the gates that check them:
         the C2 identity's input is the recompute the loss already paid for, not a forward of its own."""
@@ -377,10 +447,10 @@ class UniRLModule(pl.LightningModule):
         if any(hasattr(callback, "on_policy_logprobs") for callback in self.trainer.callbacks):
             notify_policy_logprobs(self.trainer, self, exp, self.policy.logprobs(exp, outputs))
 
-    def _token_weight(self, name: str, exp: Experience) -> float:
+    def _token_weight(self, name: str, exp: Experience, rows: Rows | None = None) -> float:
         assert self.policy is not None
         strategy = self._trainer.strategy if self._trainer is not None else None
-        return self.policy.loss_weight(name, exp, strategy)
+        return self.policy.loss_weight(name, exp, strategy, rows)
 
     def position_label(self, name: str) -> str:
         """What a column of expert ``name``'s C2 values is (``token``, ``SDE step``, ``training point``)."""

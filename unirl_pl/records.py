@@ -21,12 +21,18 @@ def cond_rows(cond: Cond, rows: Tensor | slice | None) -> Cond:
         return cond
     if isinstance(rows, slice):
         return {k: v[rows] for k, v in cond.items()}
-    return {k: v.index_select(0, rows) for k, v in cond.items()}
+    return {k: v.index_select(0, rows.to(v.device)) for k, v in cond.items()}
 
 
 def cond_expand(cond: Cond, n: int) -> Cond:
     """A one-row conditioning (the empty prompt) broadcast to ``n`` rows without copying."""
     return {k: v.expand(n, *v.shape[1:]) for k, v in cond.items()}
+
+
+def rechunk(chunks: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """Consecutive chunks over ``n`` rows no larger than the largest of ``chunks`` (the micro-batch size)."""
+    size = max((b - a for a, b in chunks), default=n) or 1
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
 @dataclass
@@ -127,6 +133,29 @@ class DiTRecord:
         """The recorded per-sample tensors (batch on dim 0) that must not depend on the batch a sample ran in."""
         return {"prev": self.prev, "sample": self.sample, "old_logp": self.old_logp}
 
+    def take(self, index: Tensor) -> DiTRecord:
+        """The samples at ``index`` (1-D long): one training mini-batch. Its forwards run in chunks of the
+        rollout's micro-batch size over the new rows (a stale mini-batch is not bit-compared with rollout)."""
+        per_sample = self.sigma.ndim == 2
+        sigma_max = self.sigma_max
+        if isinstance(sigma_max, Tensor):
+            sigma_max = sigma_max[index.to(sigma_max.device)]
+        starts = None if self.starts is None else self.starts[index.to(self.starts.device)]
+        return replace(
+            self,
+            prev=self.prev[index.to(self.prev.device)],
+            sample=self.sample[index.to(self.sample.device)],
+            old_logp=self.old_logp[index.to(self.old_logp.device)],
+            sigma=self.sigma[index.to(self.sigma.device)] if per_sample else self.sigma,
+            sigma_next=self.sigma_next[index.to(self.sigma_next.device)] if per_sample else self.sigma_next,
+            sigma_max=self.sigma_max[index.to(self.sigma_max.device)]
+            if isinstance(self.sigma_max, Tensor)
+            else self.sigma_max,
+            cond=cond_rows(self.cond, index),
+            chunks=rechunk(self.chunks, len(index)),
+            starts=starts,
+        )
+
 
 @dataclass
 class FlowPointsRecord:
@@ -161,6 +190,19 @@ class FlowPointsRecord:
         """The recorded per-sample tensors (batch on dim 0) that must not depend on the batch a sample ran in."""
         return {"x0": self.x0, "xt": self.xt, "t": self.t, "old_v": self.old_v}
 
+    def take(self, index: Tensor) -> FlowPointsRecord:
+        """The samples at ``index`` (1-D long): one training mini-batch."""
+        i = index.to(self.x0.device)
+        return replace(
+            self,
+            x0=self.x0[i],
+            xt=self.xt[i],
+            t=self.t[index.to(self.t.device)],
+            old_v=self.old_v[i],
+            cond=cond_rows(self.cond, index),
+            chunks=rechunk(self.chunks, len(index)),
+        )
+
 
 @dataclass
 class Experience:
@@ -173,7 +215,9 @@ class Experience:
     not run or its experts are frozen. ``reward_terms`` holds each weighted reward's raw mean for logging;
     ``dropped`` counts samples whose non-finite reward was dropped (their ``rewards`` entry is NaN, their
     advantage 0). ``image_advantages`` (N,) is every image sample's advantage, whether or not the generator
-    trains.
+    trains. ``seed`` is the step's sampling seed and ``row_requests`` (per loop, one per record row) the
+    request id of the row's prompt group: together they say which mini-batch a row trains in
+    (:mod:`unirl_pl.method.minibatch`).
     """
 
     prompts: list[str]
@@ -189,6 +233,8 @@ class Experience:
     fallback_frac: float | None = None
     dropped: int = 0
     image_advantages: Tensor | None = None
+    seed: int = 0
+    row_requests: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def lm(self) -> LMRecord | None:

@@ -61,6 +61,11 @@ class Algorithm:
     def end_step(self, step: int) -> None:
         """Called after step ``step``'s optimizer updates were applied (not on a skipped step)."""
 
+    def before_updates(self, loop: Any, record: Any) -> None:
+        """Called with the whole record before the first update of a step whose expert trains in several
+        mini-batches: keep here what the loss needs of the old policy for every row (the loss is then called
+        on mini-batches, ``LossInputs.whole`` and ``LossInputs.index`` saying which rows)."""
+
     def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         """The loss of ``inputs.record`` under the current weights, with the expert's ``inputs.settings``.
 

@@ -1,7 +1,7 @@
 """Flow-GRPO (Liu et al., 2025): PPO on the Gaussian log-prob of SDE steps in a fixed window.
 
-The rollout runs Flow-GRPO's SDE at the steps of ``model.rollout.sde_window`` with
-``model.rollout.noise_level`` (the ODE elsewhere) and records them; the loss is the clipped ratio per
+The rollout runs Flow-GRPO's SDE at the steps of its ``sde_window`` with its ``noise_level`` (the ODE
+elsewhere) and records them; the loss is the clipped ratio per
 recorded step plus the KL of the step means to the adapter-disabled reference (:func:`grpo.dit_loss`). With
 ``guard`` the ratio is GRPO-Guard's (Wang et al., 2025): normalized by the step's noise scale with the
 mean-drift bias removed, and each step's surrogate reweighted by ``1 / -dt``.
@@ -22,9 +22,15 @@ from unirl_pl.method import grpo
 
 
 class FlowGRPO(GeneratorAlgorithm):
-    """Flow-GRPO on the SDE window of ``model.rollout`` (``sde_window``, ``noise_level``): the default.
+    """Flow-GRPO on an SDE window: the default generator algorithm.
+
+    The algorithm owns its sampler settings (the window and the noise level); ``model.rollout`` keeps the
+    sampler's own (steps, shift, guidance, micro-batches).
 
     Args:
+        sde_window: ``[start, end)`` denoising steps run as the SDE, recorded and trained; the ODE elsewhere.
+            Must lie within ``model.rollout.num_steps``.
+        noise_level: The SDE's noise scale ``a`` (0 is the ODE, with nothing recorded).
         guard: GRPO-Guard's regulated clipping: the ratio ``exp((logp - old + b) * scale)`` with ``scale =
             std * sqrt(-dt)`` and ``b`` the mean-drift term (so it is centred at 1 at every step), and each
             step's surrogate divided by ``-dt``. The old step mean is the first PPO epoch's recompute (the C2
@@ -33,14 +39,27 @@ class FlowGRPO(GeneratorAlgorithm):
 
     kind = "sde"
 
-    def __init__(self, guard: bool = False) -> None:
-        self.guard = guard
+    def __init__(self, sde_window: tuple[int, int] = (0, 3), noise_level: float = 0.7, guard: bool = False) -> None:
+        start, end = int(sde_window[0]), int(sde_window[1])
+        if not 0 <= start < end:
+            raise ValueError(f"sde_window {tuple(sde_window)} must satisfy 0 <= start < end")
+        if noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0, got {noise_level}")
+        self.sde_window, self.level, self.guard = (start, end), float(noise_level), guard
         self._old_means: tuple[weakref.ref, Tensor] | None = None
+
+    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
+        self.window(loop.config)  # a window past the schedule fails at build time, not at the first rollout
 
     # ------------------------------------------------------------------ what the rollout records
     def window(self, config: RolloutConfig) -> tuple[int, int]:
-        """The ``[start, end)`` stochastic steps of every sample."""
-        return config.sde_window
+        """The ``[start, end)`` stochastic steps of every sample, checked against ``config.num_steps``."""
+        start, end = self.sde_window
+        if end > config.num_steps:
+            raise ValueError(
+                f"{type(self).__name__}: sde_window {self.sde_window} must end by num_steps={config.num_steps}"
+            )
+        return start, end
 
     def noise_level(self, config: RolloutConfig) -> float:
         """The noise level of the stochastic steps."""
@@ -64,12 +83,28 @@ class FlowGRPO(GeneratorAlgorithm):
             return grpo.dit_loss(i.loop, i.record, i.advantages, i.settings, i.reference, backward, i.anchor)
         return self._guard_loss(inputs, backward)
 
+    @torch.no_grad()
+    def before_updates(self, loop: Any, record: Any) -> None:
+        """GRPO-Guard's old step means of every recorded step, before the step's first mini-batch update."""
+        if not self.guard:
+            return
+        means = torch.empty_like(record.sample, dtype=torch.float32)
+        for step, (a, b) in record.steps():
+            _, mean, _ = loop.step_logprob(record, step, (a, b))
+            means[a:b, step] = mean
+        self._old_means = (weakref.ref(record), means)
+
     def _guard_loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         """:func:`grpo.dit_loss` with GRPO-Guard's term per (step, micro-batch)."""
         record, advantages, settings = inputs.record, inputs.advantages, inputs.settings
+        whole = record if inputs.whole is None else inputs.whole
         kept = self._old_means
-        old_means = kept[1] if kept is not None and kept[0]() is record else None
+        old_means = kept[1] if kept is not None and kept[0]() is whole else None
+        if old_means is not None and inputs.index is not None:
+            old_means = old_means[inputs.index.to(old_means.device)]
         first = old_means is None
+        if first and inputs.index is not None:
+            raise RuntimeError("GRPO-Guard on a mini-batch needs the old step means of before_updates()")
         if first:
             old_means = torch.empty_like(record.sample, dtype=torch.float32)
 

@@ -156,7 +156,7 @@ class Floor:
                 )
                 next_pos = next_pos + 1
             gen, gen_mask = torch.stack(toks, 1), torch.stack(live, 1)
-            old_lm_logp = torch.stack(logps, 1) * gen_mask
+            old_lm_logp = torch.where(gen_mask, torch.stack(logps, 1), 0.0)
             replies = [tok.decode(r[m], skip_special_tokens=True) for r, m in zip(gen, gen_mask, strict=True)]
             refined, _ = llm.parse_replies(replies, [texts[i] for i in rows])
             image_texts = list(texts)

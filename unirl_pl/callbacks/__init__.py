@@ -3,6 +3,7 @@
 from unirl_pl.callbacks.adapter_off import AdapterOff
 from unirl_pl.callbacks.c2 import LogProbIdentityCheck
 from unirl_pl.callbacks.cpu_clock import TrainCPUClock
+from unirl_pl.callbacks.ema import EMA
 from unirl_pl.callbacks.export import AdapterExport
 from unirl_pl.callbacks.ledger import WeightVersionLedger
 from unirl_pl.callbacks.parity import InterleaveParityCheck
@@ -15,6 +16,7 @@ from unirl_pl.callbacks.writer import ImageWriter, ValidationImages
 __all__ = [
     "AdapterOff",
     "AdapterExport",
+    "EMA",
     "ImageWriter",
     "InterleaveParityCheck",
     "LogProbIdentityCheck",

@@ -46,11 +46,12 @@ class PreemptionCheckpoint(pl.Callback):
     The checkpoint is a full resumable one (``trainer.save_checkpoint``; the CLI's ``AtomicCheckpointIO``
     writes it atomically). It is written at the end of the training step during which the signal came,
     or at the end of the validation it interrupted, and the process exits right after
-    (``SystemExit(143)``; loggers are finalized, so earlier rows are kept, but the saved step's own
-    training metrics do not reach the logger). With several processes the ranks agree every step (one
-    small all-reduce) so they save and exit together even if only one got the signal. A signal during
-    the last step lets the run end normally (status 0). A signal before training starts (model
-    loading, sanity check) is acted on after the first step.
+    (``SystemExit(143)``). Before the exit the saved step's metrics reach the loggers, ``self.log`` ones
+    included (the loop logs those after the hook the exit leaves from), and the loggers are saved, so
+    this run's metrics plus the resumed run's hold every step once. With several processes the ranks
+    agree every step (one small all-reduce) so they save and exit together even if only one got the
+    signal. A signal during the last step lets the run end normally (status 0). A signal before
+    training starts (model loading, sanity check) is acted on after the first step.
 
     Args:
         dirpath: Folder of the checkpoint; None uses the first ``ModelCheckpoint``'s folder, else
@@ -134,7 +135,7 @@ class PreemptionCheckpoint(pl.Callback):
     ) -> None:
         if trainer.max_steps >= 0 and trainer.global_step >= trainer.max_steps:
             return  # the last step: the run ends normally anyway
-        self._save_if_signalled(trainer)
+        self._save_if_signalled(trainer, in_training_step=True)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
@@ -145,6 +146,7 @@ class PreemptionCheckpoint(pl.Callback):
             # Lightning's own SIGTERM stop (a signal before training started) exits 0; a preempted run
             # must not look finished to its scheduler.
             exception.code = EXIT_CODE
+        self._restore_after_lightning(trainer)
         self._uninstall()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -154,7 +156,7 @@ class PreemptionCheckpoint(pl.Callback):
         self._uninstall()
 
     # ------------------------------------------------------------------ actions
-    def _save_if_signalled(self, trainer: pl.Trainer) -> None:
+    def _save_if_signalled(self, trainer: pl.Trainer, in_training_step: bool = False) -> None:
         if self.saved_path is not None:
             return
         signalled = self.received is not None
@@ -167,8 +169,38 @@ class PreemptionCheckpoint(pl.Callback):
         self.saved_path = path
         if trainer.is_global_zero:
             _log(f"saved {path} at step {trainer.global_step}; resume with --ckpt_path={path}")
+        self._flush_metrics(trainer, in_training_step)
         # Right away: the checkpoint is safe, and the next step's rollout would only eat the grace period.
         raise SystemExit(EXIT_CODE)
+
+    @staticmethod
+    def _flush_metrics(trainer: pl.Trainer, in_training_step: bool) -> None:
+        """Hand the loggers what the loop would log after this hook, which the exit skips: in a training
+        step, the step's ``self.log`` values (``reward/mean``); the resume starts at the next step.
+
+        After the checkpoint, so a failing logger costs a row, never the checkpoint or the exit status.
+        """
+        if not getattr(trainer, "loggers", None):
+            return
+        try:
+            if in_training_step:
+                # What _TrainingEpochLoop.advance calls after on_train_batch_end, at the same logger step
+                # (_batches_that_stepped is incremented only after it). Values are synced when logged: no collective.
+                trainer._logger_connector.update_train_step_metrics()
+            for logger in trainer.loggers:
+                logger.save()
+        except Exception as err:  # the checkpoint is safe: exit as planned
+            _log(f"could not log the saved step's metrics: {type(err).__name__}: {err}")
+
+    def _restore_after_lightning(self, trainer: pl.Trainer) -> None:
+        # On an exception Lightning restores the handlers it found at its start (this callback's) after
+        # on_exception: make it restore the ones this callback found, so no stale handler stays installed.
+        originals = getattr(getattr(trainer, "_signal_connector", None), "_original_handlers", None)
+        if not self._active or not isinstance(originals, dict):
+            return
+        for signum, previous in self._previous.items():
+            if originals.get(signum) is self._handler and previous is not None:
+                originals[signum] = previous
 
     def _uninstall(self) -> None:
         if not self._active:

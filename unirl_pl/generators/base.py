@@ -140,7 +140,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         self.model: ModelMixin | None = None
         self.vae: ModelMixin | None = None
         self._latent_shape: tuple[int, ...] | None = None
-        self._schedules: dict[int, Schedule] = {}
+        self._schedules: dict[tuple[int, float | None], Schedule] = {}
 
     # ------------------------------------------------------------------ family hooks
 
@@ -177,13 +177,16 @@ class FlowGenerator(torch.nn.Module, ABC):
 
     # ------------------------------------------------------------------ the schedule
 
-    def schedule(self, num_steps: int) -> Schedule:
+    def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
         """The ``num_steps`` sigmas the family's diffusers pipeline samples with at this sample size, from
-        the folder's own scheduler config (works before ``build()``); see :mod:`unirl_pl.generators.schedule`."""
-        cached = self._schedules.get(num_steps)
+        the folder's own scheduler config (works before ``build()``); see :mod:`unirl_pl.generators.schedule`.
+        ``shift`` (a ``rollout.shift`` override): the same scheduler with that shift in place of its own."""
+        key = (num_steps, None if shift is None else float(shift))
+        cached = self._schedules.get(key)
         if cached is None:
-            cached = pipeline_schedule(self._folder(), num_steps, self._schedule_kwargs, str(self.pipeline_path))
-            self._schedules[num_steps] = cached
+            label = str(self.pipeline_path)
+            cached = pipeline_schedule(self._folder(), num_steps, self._schedule_kwargs, label, shift=key[1])
+            self._schedules[key] = cached
         return cached
 
     # ------------------------------------------------------------------ loading

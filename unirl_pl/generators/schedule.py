@@ -7,6 +7,11 @@ than re-deriving those formulas, the schedule here is read off the scheduler cla
 ``scheduler/scheduler_config.json``, after ``set_timesteps`` with exactly the arguments the pipeline
 passes (the family supplies them: ``mu``, custom ``sigmas``). The Flow-GRPO sampler then steps on
 these sigmas (Euler / SDE), whatever solver the pipeline itself would use between them.
+
+A ``rollout.shift`` override does not leave the pipeline's scheduler either: the same class is built from
+the same config with that shift in place of its own (``shifted_config``: ``flow_shift`` for a flow-sigma
+scheduler such as Wan's UniPC, ``shift`` for ``FlowMatchEulerDiscreteScheduler``, dynamic shifting off),
+so Wan2.2's shift 12 at 4 steps gives UniPC's 0.8006 rather than the SD3 formula's 0.8.
 """
 
 from __future__ import annotations
@@ -64,6 +69,29 @@ def scheduler_from_config(config: dict[str, Any]) -> Any:
     return cls.from_config(config)
 
 
+def shifted_config(config: dict[str, Any], shift: float) -> tuple[dict[str, Any], str]:
+    """``config`` with its scheduler's own shift replaced by ``shift``, and the key replaced: ``flow_shift``
+    for a scheduler sampling flow sigmas (``use_flow_sigmas``: UniPC, DPM-Solver), else ``shift``
+    (``FlowMatchEulerDiscreteScheduler``). Dynamic shifting is turned off, or it would replace the shift by
+    its ``mu``. ``ValueError`` for a scheduler class with neither."""
+    name = config.get("_class_name")
+    cls = getattr(diffusers, str(name), None)
+    accepted = set(inspect.signature(cls.__init__).parameters) if cls is not None else set()
+    if config.get("use_flow_sigmas") and "flow_shift" in accepted:
+        key = "flow_shift"
+    elif "shift" in accepted:
+        key = "shift"
+    else:
+        raise ValueError(
+            f"model.rollout.shift={shift}: the pipeline's scheduler {name!r} has no shift to replace (neither "
+            "shift nor flow_shift with use_flow_sigmas); unset model.rollout.shift to sample on its own schedule"
+        )
+    out = {**config, key: float(shift)}
+    if out.get("use_dynamic_shifting"):
+        out["use_dynamic_shifting"] = False
+    return out, key
+
+
 def scheduler_sigmas(
     scheduler: Any, num_steps: int, *, sigmas: list[float] | None = None, mu: float | None = None
 ) -> Tensor:
@@ -114,15 +142,19 @@ def pipeline_schedule(
     num_steps: int,
     schedule_kwargs: Callable[[int, dict[str, Any]], dict[str, Any]],
     label: str,
+    shift: float | None = None,
 ) -> Schedule:
     """The ``num_steps`` sigmas of the pipeline in ``folder``: its scheduler config with the family's extra
-    ``set_timesteps`` arguments from ``schedule_kwargs(num_steps, config)``; ``label`` names the pipeline."""
+    ``set_timesteps`` arguments from ``schedule_kwargs(num_steps, config)``; ``label`` names the pipeline.
+    ``shift`` (a ``rollout.shift`` override) replaces the scheduler's own shift first (``shifted_config``)."""
     config = read_scheduler_config(folder)
     # The pipeline instantiates the class model_index.json names for its scheduler, whatever the scheduler
     # config's own _class_name says.
     entry = read_model_index(folder).get("scheduler")
     if has_component({"scheduler": entry}, "scheduler"):
         config = {**config, "_class_name": entry[1]}
+    if shift is not None:
+        config, _ = shifted_config(config, shift)
     kwargs = schedule_kwargs(num_steps, config)
     sigmas = scheduler_sigmas(scheduler_from_config(config), num_steps, **kwargs)
     keys = ("shift", "flow_shift", "use_dynamic_shifting", "shift_terminal")

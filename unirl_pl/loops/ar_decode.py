@@ -109,12 +109,15 @@ class ARDecode:
             next_pos = next_pos + 1
         gen = torch.stack(tokens, dim=1)
         gen_mask = torch.stack(live, dim=1)
+        # A finished row's pad token may lie outside the top-k (log-prob -inf): zero it with a where, never a
+        # product with the mask (-inf * 0 is NaN, and a NaN behavior log-prob makes the refiner's loss NaN).
+        logp = torch.stack(logps, dim=1)
         record = LMRecord(
             input_ids=torch.cat([ids, gen], dim=1),
             attention_mask=mask,
             prompt_len=prompt_len,
             gen_mask=gen_mask,
-            old_logp=torch.stack(logps, dim=1) * gen_mask,
+            old_logp=torch.where(gen_mask, logp, torch.zeros_like(logp)),
             rows=torch.arange(n),
             temperature=temperature,
             top_k=top_k,
@@ -142,4 +145,5 @@ class ARDecode:
         p = record.prompt_len
         logits = process_logits(out.logits[:, p - 1 : -1], record.temperature, record.top_k)
         logp = torch.log_softmax(logits, dim=-1).gather(-1, record.gen_ids[..., None])[..., 0]
+        # A where, not a product: a pad token outside the top-k is -inf here, and -inf * 0 is NaN.
         return torch.where(record.gen_mask, logp, torch.zeros_like(logp))

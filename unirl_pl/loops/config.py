@@ -25,8 +25,10 @@ class RolloutConfig:
             (the default): the generator's own schedule, i.e. a family pipeline's scheduler config exactly as
             its diffusers pipeline computes it (shift, dynamic shift from the image size, terminal sigma),
             or linear for the project's own generator. A value overrides the pipeline (logged at fit start).
-        noise_level: Flow-GRPO's SDE noise scale ``a`` inside the window (0 is the ODE).
-        sde_window: ``[start, end)`` step indices run as SDE and trained; ODE elsewhere.
+        noise_level: Moved: the generator algorithm owns it (``model.generator_algorithm.init_args.noise_level``).
+            Setting it here is an error that names the new key.
+        sde_window: Moved: the generator algorithm owns it (``model.generator_algorithm.init_args.sde_window``).
+            Setting it here is an error that names the new key.
         micro_batch_size: Images per DiT forward in rollout and in the recompute (None: all at once).
             Both use the same chunks, which keeps batch-variant kernels from breaking the log-prob identity.
         lm_micro_batch_size: Refinements per refiner forward when the trainer scores them (the loss, with a
@@ -40,6 +42,15 @@ class RolloutConfig:
             when used: a real text encoder's features are megabytes per text (T5-XXL: 333 x 4096 floats),
             so a full cache on the GPU costs tens of GiB.
         guidance_scale: Classifier-free guidance scale (1.0 disables it; >1 also runs an empty prompt).
+            On a two-expert Wan2.2 generator, the scale of the high-noise expert (``transformer``).
+        guidance_scale_2: The guidance scale of the steps a two-expert Wan2.2 generator runs on its
+            low-noise expert (``transformer_2``), as ``WanPipeline(guidance_scale_2=...)`` (None: the same
+            as ``guidance_scale``). Read only while guidance is on (``guidance_scale`` != 1), as
+            ``WanPipeline`` guides only for ``guidance_scale > 1``. A generator with one expert refuses it.
+        detach_uncond: Keep classifier-free guidance's unconditional branch out of the gradient of the
+            training recompute: the guided velocity is ``v_u.detach() + g * (v_c - v_u.detach())``, the
+            same values (rollout and the log-prob gates are unchanged), gradient ``g * dv_c`` instead of
+            ``(1 - g) * dv_u + g * dv_c``.
         shared_start_noise: Every sample of a request starts from the initial noise of the request's
             sample 0 (the SDE steps still draw their own noise). The start is not an action of either
             policy, so with it shared the rewards within a group differ only by the refinement and the
@@ -52,21 +63,26 @@ class RolloutConfig:
     top_k: int | None = None
     num_steps: int = 8
     shift: float | None = None
-    noise_level: float = 0.7
-    sde_window: tuple[int, int] = (0, 3)
+    noise_level: float | None = None
+    sde_window: tuple[int, int] | None = None
     micro_batch_size: int | None = None
     lm_micro_batch_size: int | None = None
     feature_cache_size: int = 4096
     feature_cache_offload: bool = False
     guidance_scale: float = 1.0
+    guidance_scale_2: float | None = None
+    detach_uncond: bool = False
     shared_start_noise: bool = False
 
     def __post_init__(self) -> None:
-        start, end = self.sde_window
-        if not 0 <= start < end <= self.num_steps:
-            raise ValueError(
-                f"sde_window {self.sde_window} must satisfy 0 <= start < end <= num_steps={self.num_steps}"
-            )
+        for moved in ("noise_level", "sde_window"):
+            if getattr(self, moved) is not None:
+                raise ValueError(
+                    f"model.rollout.{moved} moved: the generator algorithm owns its sampler settings; set "
+                    f"model.generator_algorithm.init_args.{moved} (in a recipe: under generator_algorithm's init_args)"
+                )
+        if self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {self.num_steps}")
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
@@ -79,8 +95,6 @@ class RolloutConfig:
             raise ValueError(f"lm_micro_batch_size must be >= 1 or null, got {self.lm_micro_batch_size}")
         if self.feature_cache_size < 1:
             raise ValueError(f"feature_cache_size must be >= 1, got {self.feature_cache_size}")
-        if self.noise_level < 0:
-            raise ValueError(f"noise_level must be >= 0, got {self.noise_level}")
         if self.shift is not None and self.shift <= 0:
             raise ValueError(f"shift must be > 0, got {self.shift}")
         if self.guidance_scale < 0:

@@ -11,6 +11,7 @@ The loop is generator-agnostic: it needs ``latent_shape`` and ``velocity(latents
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from unirl_pl.distributed import agree_max
 from unirl_pl.generators.schedule import Schedule
+from unirl_pl.generators.wan import LOW_NOISE
 from unirl_pl.loops.config import Profile, RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.records import Cond, DiTRecord, cond_expand, cond_rows
 from unirl_pl.sampling import STOCHASTIC_STEPS, compress_tail, dpm_solver_2m_step, flow_sigmas, flow_x0, ode_step
@@ -64,14 +66,20 @@ class DiffusionDenoise:
         self.generator, self.config, self.algorithm = generator, config, algorithm
 
     def schedule(self, num_steps: int) -> Schedule:
-        """The schedule sampled with for ``num_steps`` steps: ``rollout.shift`` when set, else the generator's
-        own (a family pipeline's scheduler), else linear."""
+        """The schedule sampled with for ``num_steps`` steps: the generator's own (a family pipeline's
+        scheduler), recomputed with ``rollout.shift`` in place of the scheduler's shift when that is set;
+        for a generator without a pipeline scheduler, SD3's shift formula on ``linspace(1, 0)`` (linear
+        without a shift)."""
         shift = self.config.shift
         own = getattr(self.generator, "schedule", None)
         if shift is None and own is not None:
             return own(num_steps)
         if shift is None:
             return Schedule(flow_sigmas(num_steps, 1.0), "linear (the generator has no pipeline scheduler)")
+        if own is not None and "shift" in inspect.signature(own).parameters:
+            shifted = own(num_steps, shift=shift)
+            source = f"{shifted.source}: model.rollout.shift={shift}, overriding the pipeline's {own(num_steps).source}"
+            return Schedule(shifted.sigmas, source, {**shifted.details, "rollout_shift": shift})
         source = f"model.rollout.shift={shift}"
         if own is not None:
             source += f", overriding the pipeline's {own(num_steps).source}"
@@ -101,14 +109,53 @@ class DiffusionDenoise:
 
         Guidance runs the conditional and unconditional inputs as one batched forward (half the weight
         reads and launches of two); rollout and the recompute both do, so the DiT's C2 stays bitwise.
+        ``g`` is ``guidance_scale``, or ``guidance_scale_2`` for the rows whose sigma a two-expert Wan2.2
+        generator routes to its low-noise expert (:meth:`guidance_scales`). ``detach_uncond`` detaches
+        ``v_u`` in both of its places: the same values, and a gradient of ``g * dv_c`` alone.
         """
         n = x.shape[0]
         s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(n)
+        self._check_guidance_scale_2()
         if uncond is None or not self.config.guided:
             return self.generator.velocity(x, s, cond)
         both = {k: torch.cat([cond[k], v]) for k, v in cond_expand(uncond, n).items()}
         v, v0 = self.generator.velocity(torch.cat([x, x]), torch.cat([s, s]), both).split(n)
-        return v0 + self.config.guidance_scale * (v - v0)
+        if self.config.detach_uncond:
+            v0 = v0.detach()
+        g = self.guidance_scales(s)
+        if isinstance(g, Tensor):
+            g = g.view(n, *([1] * (v.ndim - 1)))
+        return v0 + g * (v - v0)
+
+    def guidance_scales(self, sigma: Tensor) -> float | Tensor:
+        """The guidance scale of each row at noise levels ``sigma`` (B,): ``guidance_scale`` (a float), or,
+        with ``guidance_scale_2`` set and rows on both sides of a two-expert generator's boundary, a (B,)
+        float32 tensor with ``guidance_scale_2`` where ``expert_index`` picks the low-noise expert (the same
+        float32 sigmas the generator routes by). ``ValueError`` for ``guidance_scale_2`` on one expert."""
+        self._check_guidance_scale_2()
+        g, g2 = self.config.guidance_scale, self.config.guidance_scale_2
+        if g2 is None or g2 == g:
+            return g
+        low = self.generator.expert_index(sigma) == LOW_NOISE
+        if not bool(low.any()):
+            return g
+        if bool(low.all()):
+            return g2
+        return torch.where(low, g2, g).to(device=sigma.device, dtype=torch.float32)
+
+    def _check_guidance_scale_2(self) -> None:
+        """``ValueError`` naming ``model.rollout.guidance_scale_2`` when it is set but negative, or set for a
+        generator without a low-noise expert (anything but a two-expert Wan2.2 folder)."""
+        g2 = self.config.guidance_scale_2
+        if g2 is None:
+            return
+        if g2 < 0:
+            raise ValueError(f"model.rollout.guidance_scale_2 must be >= 0 or null, got {g2}")
+        if getattr(self.generator, "num_experts", 1) != 2:
+            raise ValueError(
+                f"model.rollout.guidance_scale_2={g2} is the guidance of a Wan2.2 low-noise expert (transformer_2), "
+                f"but this {type(self.generator).__name__} has one expert: unset model.rollout.guidance_scale_2"
+            )
 
     @torch.no_grad()
     def sample(

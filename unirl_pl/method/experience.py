@@ -169,6 +169,12 @@ class ExperienceSource:
             )
         if dit_record is not None:
             records["diffusion_denoise"] = dit_record
+        # Each record row's prompt group, by its request id: mini-batches keep groups whole.
+        image_requests = torch.as_tensor([batch.request_ids[t // k] for t in img_text.tolist()], dtype=torch.long)
+        row_requests = {"diffusion_denoise": image_requests}
+        if "ar_decode" in records:
+            text_requests = torch.as_tensor(batch.request_ids, dtype=torch.long).repeat_interleave(k)
+            row_requests["ar_decode"] = text_requests[records["ar_decode"].rows]
         fell_back = lm_record.fell_back if lm_record is not None else []
         return Experience(
             prompts=originals,
@@ -184,4 +190,6 @@ class ExperienceSource:
             images=images,
             fallback_frac=fallback_fraction(fell_back) if fell_back else None,  # no refinements: no metric
             image_advantages=image_adv.to(device),
+            seed=batch.seed,
+            row_requests=row_requests,
         )

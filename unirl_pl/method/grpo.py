@@ -40,6 +40,10 @@ class ExpertLoss:
             measures and logs (``rollout_corr/*``) and stops only on a mismatch far beyond numerics.
         tis_cap: Upper truncation of the importance weight (verl's ``rollout_is_threshold`` and TRL's
             ``vllm_importance_sampling_cap``, both 2.0 by default); >= 1 so agreeing terms keep weight 1.
+        mini_batches: Optimizer steps per PPO epoch over one rollout: the expert's records split into this many
+            mini-batches, prompt groups kept whole (:mod:`unirl_pl.method.minibatch`). The first is on-policy
+            (the C2 gate proves it on the whole rollout, before any update); the later ones are stale by design,
+            which is what the clip range acts on. 1: the whole rollout in one step.
     """
 
     clip_eps: float = 0.2
@@ -47,8 +51,11 @@ class ExpertLoss:
     grad_clip: float | None = 1.0
     rollout_correction: Literal["off", "tis"] = "off"
     tis_cap: float = 2.0
+    mini_batches: int = 1
 
     def __post_init__(self) -> None:
+        if self.mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
         if self.rollout_correction not in ("off", "tis"):
             raise ValueError(f"rollout_correction must be 'off' or 'tis', got {self.rollout_correction!r}")
         if not self.tis_cap >= 1.0:
@@ -69,7 +76,8 @@ Reference = Callable[[], AbstractContextManager[None]]
 class LossInputs:
     """What one expert's loss reads: its loop, its record of the rollout, the advantages of the record's rows,
     its loss settings (``ExpertLoss``), its reference policy and, under a rollout correction, the anchor (the
-    first PPO epoch's recomputed log-probs, None before that)."""
+    first PPO epoch's recomputed log-probs, None before that). For a mini-batch, ``whole`` is the rollout's
+    whole record and ``index`` the rows of it that ``record`` holds (None: ``record`` is the whole record)."""
 
     loop: Any
     record: Any
@@ -77,6 +85,8 @@ class LossInputs:
     settings: Any
     reference: Reference
     anchor: Tensor | None = None
+    whole: Any = None
+    index: Tensor | None = None
 
     def rows(self, a: int, b: int) -> LossInputs:
         """The same inputs restricted to record rows ``[a, b)``."""

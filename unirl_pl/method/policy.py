@@ -26,6 +26,9 @@ from unirl_pl.records import Experience
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]
 """Component -> (recomputed, behavior, mask) log-probs of its record."""
 
+Rows = dict[str, Tensor]
+"""Loop -> the record rows (1-D long) of one training mini-batch."""
+
 
 @dataclass
 class PolicyLosses:
@@ -55,25 +58,52 @@ class PolicyLosses:
         """The loops component ``name`` trains through that captured a record in ``exp``."""
         return [loop for loop in self.card.loops_of(name) if loop in exp.records]
 
-    def loss(self, name: str, exp: Experience, backward: Callable[[Tensor], None]) -> LossOutput | None:
-        """Component ``name``'s loss on ``exp``; the DiT's is backpropagated per denoising step through
-        ``backward`` (peak memory holds one step's graph, not the window's)."""
+    def loss(
+        self, name: str, exp: Experience, backward: Callable[[Tensor], None], rows: Rows | None = None
+    ) -> LossOutput | None:
+        """Component ``name``'s loss on ``exp`` (on the record rows ``rows[loop]`` of a mini-batch, when given);
+        the DiT's is backpropagated per denoising step through ``backward`` (peak memory holds one step's
+        graph, not the window's)."""
         outputs = []
         for loop in self.loops_with_records(name, exp):
-            record, settings = exp.records[loop], self.settings(name)
+            record, advantages, settings = exp.records[loop], exp.advantages[loop], self.settings(name)
             algorithm = self.algorithms[loop]
             algorithm.check_settings(settings)
             reference = self.experts[name].adapter_disabled
             anchor = self.anchor(loop, record)
-            inputs = LossInputs(self.loops[loop], record, exp.advantages[loop], settings, reference, anchor)
+            whole, index = record, None
+            if rows is not None and loop in rows:
+                index = rows[loop]
+                record, advantages = record.take(index), advantages[index.to(advantages.device)]
+                anchor = None if anchor is None else anchor[index.to(anchor.device)]
+            inputs = LossInputs(self.loops[loop], record, advantages, settings, reference, anchor, whole, index)
             with timing.phase(getattr(algorithm, "phase", "loss")):
                 out = algorithm.loss(inputs, backward)
-            if settings.rollout_correction != "off" and anchor is None and out.logp is not None:
+            if settings.rollout_correction != "off" and anchor is None and out.logp is not None and index is None:
                 self._anchors[loop] = (weakref.ref(record), out.logp)
             outputs.append(out)
         if not outputs:
             return None
         return outputs[0] if len(outputs) == 1 else sum_losses(outputs)
+
+    @torch.no_grad()
+    def before_updates(self, exp: Experience, names: list[str]) -> None:
+        """Each algorithm's look at its whole record before any update of a step split into mini-batches (what
+        it keeps of the old policy, such as GRPO-Guard's step means, must come from unchanged weights)."""
+        for name in names:
+            for loop in self.loops_with_records(name, exp):
+                self.algorithms[loop].before_updates(self.loops[loop], exp.records[loop])
+
+    def keep_anchors(self, exp: Experience, values: LogProbs) -> None:
+        """Anchor every corrected likelihood record of ``exp`` at ``values`` (a no-grad recompute before any
+        update): with mini-batches the first loss call on most rows comes after an update, too late to be the
+        "old" policy."""
+        for name, (recomputed, _, _) in values.items():
+            if self.settings(name).rollout_correction == "off":
+                continue
+            for loop in self.loops_with_records(name, exp):
+                if getattr(self.algorithms[loop], "likelihood", True):
+                    self._anchors[loop] = (weakref.ref(exp.records[loop]), recomputed)
 
     def anchor(self, loop: str, record: Any) -> Tensor | None:
         """The log-probs the first loss call on ``record`` recomputed (None before it, or for another record)."""
@@ -99,13 +129,15 @@ class PolicyLosses:
                 found[name] = self.algorithms[loop].gate_values(self.loops[loop], exp.records[loop], None)
         return found
 
-    def loss_weight(self, name: str, exp: Experience, strategy: Any) -> float:
-        """The factor on component ``name``'s not yet backpropagated loss that makes the ranks' averaged
-        gradient the global one (the LM's tokens); 1 on one process."""
-        weights = [
-            self.algorithms[loop].loss_weight(exp.records[loop], strategy)
-            for loop in self.loops_with_records(name, exp)
-        ]
+    def loss_weight(self, name: str, exp: Experience, strategy: Any, rows: Rows | None = None) -> float:
+        """The factor on component ``name``'s not yet backpropagated loss (of the mini-batch ``rows``, when
+        given) that makes the ranks' averaged gradient the global one (the LM's tokens); 1 on one process."""
+        weights = []
+        for loop in self.loops_with_records(name, exp):
+            record = exp.records[loop]
+            if rows is not None and loop in rows:
+                record = record.take(rows[loop])
+            weights.append(self.algorithms[loop].loss_weight(record, strategy))
         return math.prod(weights)
 
     def rollout_metrics(self, exp: Experience) -> dict[str, Tensor | float]:

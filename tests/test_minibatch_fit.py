@@ -1,0 +1,162 @@
+"""Several optimizer steps per rollout in a run: each mini-batch trained once per epoch, the gates fed the whole
+rollout before any update, the rollout correction anchored at the pre-update policy over every epoch."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from tests.helpers import TINY, read_metrics, series
+from unirl_pl.card import Card
+from unirl_pl.cli import main
+from unirl_pl.losses import LossOutput
+from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.method.policy import PolicyLosses
+from unirl_pl.records import Experience, LMRecord
+
+# ------------------------------------------------------------------------ the anchor over PPO epochs
+
+
+@dataclass
+class _Recorder:
+    """An algorithm whose "recompute" moves with every call (the weights stepped in between) and that records
+    the anchor each call received."""
+
+    calls: int = 0
+    likelihood: bool = True
+
+    def __post_init__(self) -> None:
+        self.anchors: list[torch.Tensor | None] = []
+        self.rows: list[int] = []
+
+    def check_settings(self, settings) -> None:
+        pass
+
+    def loss(self, inputs, backward=None) -> LossOutput:
+        self.calls += 1
+        self.anchors.append(inputs.anchor)
+        self.rows.append(int(inputs.record.old_logp.shape[0]))
+        logp = torch.full_like(inputs.record.old_logp, float(self.calls))
+        z = torch.zeros(())
+        return LossOutput(z, z, z, z, z, z, z, z, logp=logp)
+
+
+class _Expert:
+    adapter_disabled = staticmethod(nullcontext)
+
+
+def _policy(settings: ExpertLoss) -> tuple[PolicyLosses, _Recorder, Experience]:
+    algorithm = _Recorder()
+    card = Card.unified(has_llm=True, has_vae=False)
+    policy = PolicyLosses(card, {"ar_decode": None}, {"llm": _Expert()}, lambda name: settings, {"ar_decode": algorithm})
+    record = LMRecord(
+        input_ids=torch.zeros(4, 3, dtype=torch.long),
+        attention_mask=torch.ones(4, 3, dtype=torch.long),
+        prompt_len=1,
+        gen_mask=torch.ones(4, 2, dtype=torch.bool),
+        old_logp=torch.zeros(4, 2),
+        rows=torch.arange(4),
+        temperature=1.0,
+        top_k=None,
+        version=0,
+    )
+    exp = Experience(
+        prompts=[""] * 4,
+        refined=[""] * 4,
+        text_index=torch.arange(4),
+        rewards=torch.zeros(4),
+        text_rewards=torch.zeros(4),
+        records={"ar_decode": record},
+        advantages={"ar_decode": torch.zeros(4)},
+        reward_terms={},
+        zero_std_frac=0.0,
+        row_requests={"ar_decode": torch.arange(4)},
+    )
+    return policy, algorithm, exp
+
+
+def test_the_rollout_correction_anchor_stays_at_the_first_epochs_recompute_over_three_epochs():
+    policy, algorithm, exp = _policy(ExpertLoss(rollout_correction="tis"))
+    for _ in range(3):
+        policy.loss("llm", exp, backward=lambda t: None)
+    first, second, third = algorithm.anchors
+    assert first is None, "the first epoch anchors at its own recompute"
+    assert torch.equal(second, torch.full((4, 2), 1.0)) and torch.equal(third, torch.full((4, 2), 1.0)), (
+        "every later epoch keeps the first epoch's recompute, not the previous epoch's"
+    )
+    off, algorithm, exp = _policy(ExpertLoss())
+    for _ in range(2):
+        off.loss("llm", exp, backward=lambda t: None)
+    assert algorithm.anchors == [None, None], "without the correction the anchor is the behavior log-prob"
+
+
+def test_mini_batches_are_anchored_at_the_recompute_before_any_update():
+    policy, algorithm, exp = _policy(ExpertLoss(rollout_correction="tis", mini_batches=2))
+    before = torch.arange(8.0).reshape(4, 2)
+    policy.keep_anchors(exp, {"llm": (before, exp.records["ar_decode"].old_logp, exp.records["ar_decode"].gen_mask)})
+    for rows in (torch.tensor([2, 0]), torch.tensor([1, 3]), torch.tensor([3, 2])):
+        policy.loss("llm", exp, backward=lambda t: None, rows={"ar_decode": rows})
+        assert torch.equal(algorithm.anchors[-1], before[rows]), "each mini-batch's rows of the pre-update recompute"
+    assert algorithm.rows == [2, 2, 2], "each loss call sees its mini-batch only"
+
+
+# ------------------------------------------------------------------------ in a run
+
+
+class _GateInput(pl.Callback):
+    """Records what the gates are handed: the rows of each expert's values and the rows of its record."""
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, tuple[int, int]]] = []
+
+    def on_policy_logprobs(self, trainer, pl_module, exp, logprobs) -> None:
+        self.seen.append({n: (v[0].shape[0], v[1].shape[0]) for n, v in logprobs.items()})
+
+
+@pytest.mark.slow
+def test_two_mini_batches_train_each_half_once_and_the_gate_sees_the_whole_rollout(tmp_path, monkeypatch):
+    calls: list[tuple[str, int, int]] = []
+    loss = PolicyLosses.loss
+
+    def recording(self, name, exp, backward, rows=None):
+        whole = sum(exp.records[loop].old_logp.shape[0] for loop in self.loops_with_records(name, exp))
+        part = whole if rows is None else sum(len(r) for r in rows.values())
+        calls.append((name, part, whole))
+        return loss(self, name, exp, backward, rows)
+
+    monkeypatch.setattr(PolicyLosses, "loss", recording)
+    cli = main(
+        [
+            "--config", TINY,
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger]",
+            "--trainer.limit_val_batches=0",
+            "--trainer.max_steps=2",
+            "--model.rollout.num_steps=4",
+            "--model.rollout.sde_window=[0,2]",
+            "--model.llm_loss.mini_batches=2",
+            "--model.transformer_loss.mini_batches=2",
+        ],
+        run=False,
+    )  # fmt: skip
+    recorder = _GateInput()
+    cli.trainer.callbacks.append(recorder)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    for name in ("llm", "transformer"):
+        mine = [(part, whole) for n, part, whole in calls if n == name]
+        assert len(mine) == 4, f"{name}: 2 steps x 2 mini-batches"
+        for (a, whole), (b, _) in zip(mine[0::2], mine[1::2], strict=True):
+            assert 0 < a < whole and a + b == whole, f"{name}: the two mini-batches split the record"
+    # The gate is handed every row of the rollout, recomputed before the first update.
+    assert len(recorder.seen) == 2 and all(got == want for s in recorder.seen for got, want in s.values())
+    rows = read_metrics(cli)
+    assert series(rows, "transformer/updates") == [2.0, 2.0] and series(rows, "llm/updates") == [2.0, 2.0]
+    assert series(rows, "version/transformer") == [2.0, 4.0]
+    assert series(rows, "c2/transformer_max_abs_diff") == [0.0, 0.0], "the first update is on-policy, bit for bit"
+    assert max(series(rows, "llm/ratio_max")) > 1.0 + 1e-4, "the second mini-batch is stale"
