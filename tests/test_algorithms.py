@@ -39,7 +39,7 @@ from unirl_pl.sampling import compress_tail, cps_step_with_logprob, dpm_solver_2
 
 OVERLAYS = ROOT / "recipes" / "algorithms"
 QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
-FAST = ["--model.rollout.num_steps=4", "--model.rollout.sde_window=[0,2]"]
+FAST = ["--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]"]
 
 
 # ------------------------------------------------------------------ pure math
@@ -226,7 +226,7 @@ def test_nft_loss_and_optimality_probability_by_hand():
 
 
 def test_mix_grpo_window_slides_with_the_training_step():
-    config = RolloutConfig(num_steps=10, sde_window=(0, 4))
+    config = RolloutConfig(num_steps=10)
     mix = MixGRPO(window_size=2, steps_per_window=3, stride=2)
     # last start 10 - 1 - 2 = 7 -> positions 0, 2, 4, 6; each held 3 steps; roll back after 6.
     assert [mix.start_at(s, config) for s in range(0, 15, 3)] == [0, 2, 4, 6, 0]
@@ -241,7 +241,7 @@ def test_mix_grpo_window_slides_with_the_training_step():
 
 
 def test_fast_windows_are_a_function_of_each_sample_seed():
-    config = RolloutConfig(num_steps=8, sde_window=(0, 3))
+    config = RolloutConfig(num_steps=8)
     fast = FlowGRPOFast(window_size=2)
     ids, idx = [3] * 8 + [5] * 8, list(range(8)) * 2
     starts = fast.starts(config, 0, ids, idx)
@@ -456,7 +456,7 @@ def test_cps_records_its_own_step_and_c2_catches_a_recompute_with_the_sde_step()
     with pytest.raises(LogProbIdentityError, match="expert 'transformer'"):
         LogProbIdentityCheck().check(model, exp)
     with pytest.raises(ValueError, match="includes the last step"):
-        FlowCPS().window(RolloutConfig(num_steps=4, sde_window=(2, 4)))
+        FlowCPS(sde_window=(2, 4)).window(RolloutConfig(num_steps=4))
 
 
 def test_nft_records_old_policy_points_and_the_gate_checks_them(nft, monkeypatch):
@@ -552,7 +552,7 @@ def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
     }
     for name, model in models.items():
         assert type(getattr(model, expected[name][0])) is expected[name][1], name
-        assert model.losses["transformer"].clip_eps == 1e-4 and model.rollout_config.sde_window == (0, 4), name
+        assert model.losses["transformer"].clip_eps == 1e-4 and model.generator_algorithm.sde_window == (0, 4), name
         assert model.rollout_config.shared_start_noise and model.losses["llm"].clip_eps == 0.2
     # gspo leaves the generator's KL weight alone; diffusion_nft sets its own.
     assert (

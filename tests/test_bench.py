@@ -117,7 +117,7 @@ def test_bench_reports_every_phase_and_a_finite_ratio():
             "on",
             "--model.rollout.max_new_tokens=4",
             "--model.rollout.num_steps=4",
-            "--model.rollout.sde_window=[0, 2]",
+            "--model.generator_algorithm.init_args.sde_window=[0, 2]",
         ]
     )
     rows = {line.split()[0] for line in result.report.splitlines() if line.strip()}

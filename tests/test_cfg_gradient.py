@@ -60,8 +60,8 @@ def tiny():
 
 
 def _loop(generator, **settings) -> DiffusionDenoise:
-    config = RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=G, **settings)
-    return DiffusionDenoise(generator, config, FlowGRPO())
+    config = RolloutConfig(num_steps=4, guidance_scale=G, **settings)
+    return DiffusionDenoise(generator, config, FlowGRPO(sde_window=(0, 2)))
 
 
 def _branches(generator, x, sigma, cond, uncond) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,7 +175,7 @@ def wan22(tmp_path_factory):
 
 def test_guidance_scale_2_guides_the_low_noise_rows_in_a_mixed_batch(wan22) -> None:
     generator, cond, uncond = wan22
-    config = RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=3.0, guidance_scale_2=4.0)
+    config = RolloutConfig(num_steps=4, guidance_scale=3.0, guidance_scale_2=4.0)
     loop = DiffusionDenoise(generator, config)
     x = random_latents(generator.latent_shape, 4, seed=3)
     sigma = torch.tensor([0.3, 0.95, 0.5, 0.9])
@@ -193,14 +193,14 @@ def test_guidance_scale_2_guides_the_low_noise_rows_in_a_mixed_batch(wan22) -> N
             u = generator.velocity_of(expert, xs, s, uncond)
             torch.testing.assert_close(got[row : row + 1], u + g * (c - u), rtol=1e-5, atol=1e-5)
         # The high-noise rows are exactly those of guidance 3 everywhere; the low-noise rows are not.
-        one = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=3.0))
+        one = DiffusionDenoise(generator, RolloutConfig(num_steps=4, guidance_scale=3.0))
         same = one.velocity(x, sigma, cond, uncond)
         assert torch.equal(got[[1, 3]], same[[1, 3]]) and not torch.allclose(got[[0, 2]], same[[0, 2]])
         # A batch on one side takes that side's scale whole; None is guidance_scale everywhere.
         low_only = loop.velocity(x, 0.3, cond, uncond)
-        four = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=4.0))
+        four = DiffusionDenoise(generator, RolloutConfig(num_steps=4, guidance_scale=4.0))
         assert torch.equal(low_only, four.velocity(x, 0.3, cond, uncond))
-        unset = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=3.0))
+        unset = DiffusionDenoise(generator, RolloutConfig(num_steps=4, guidance_scale=3.0))
         assert unset.config.guidance_scale_2 is None and torch.equal(unset.velocity(x, sigma, cond, uncond), same)
 
 
@@ -208,8 +208,8 @@ def test_guidance_scale_2_rollout_is_recomputed_bitwise_across_the_boundary(wan2
     generator, cond, uncond = wan22
     # The tiny folder's own schedule (FlowMatchEuler, shift 3): sigmas 1, .857, .6, .003, 0; the window [0, 2)
     # is one step of each expert.
-    config = RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=3.0, guidance_scale_2=4.0)
-    loop = DiffusionDenoise(generator, config, FlowGRPO())
+    config = RolloutConfig(num_steps=4, guidance_scale=3.0, guidance_scale_2=4.0)
+    loop = DiffusionDenoise(generator, config, FlowGRPO(sde_window=(0, 2)))
     _, record = loop.sample(cond, [0, 1, 2, 3], [0, 0, 0, 0], "rollout", seed=0, uncond=uncond)
     assert generator.expert_index(record.sigma).tolist() == [HIGH_NOISE, LOW_NOISE]
     assert torch.equal(loop.score(record), record.old_logp)
@@ -226,14 +226,14 @@ def test_guidance_scale_2_rollout_is_recomputed_bitwise_across_the_boundary(wan2
 def test_guidance_scale_2_is_refused_without_a_low_noise_expert(tiny, tmp_path: Path) -> None:
     generator, cond, uncond = tiny
     x = random_latents(generator.latent_shape, 3)
-    config = RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=G, guidance_scale_2=3.0)
+    config = RolloutConfig(num_steps=4, guidance_scale=G, guidance_scale_2=3.0)
     with pytest.raises(ValueError, match=r"model\.rollout\.guidance_scale_2=3\.0 .* ComponentGenerator has one expert"):
         DiffusionDenoise(generator, config).velocity(x, 0.5, cond, uncond)
     wan21 = load_generator(make_wan_pipeline(tmp_path / "wan21"), height=16, width=16, num_frames=5)
     assert wan21.num_experts == 1
     with pytest.raises(ValueError, match=r"guidance_scale_2.*WanGenerator has one expert"):
         DiffusionDenoise(wan21, config).velocity(random_latents(wan21.latent_shape, 1), 0.5, {}, None)
-    negative = RolloutConfig(num_steps=4, sde_window=(0, 2), guidance_scale=G, guidance_scale_2=-1.0)
+    negative = RolloutConfig(num_steps=4, guidance_scale=G, guidance_scale_2=-1.0)
     with pytest.raises(ValueError, match=r"guidance_scale_2 must be >= 0"):
         DiffusionDenoise(generator, negative).velocity(x, 0.5, cond, uncond)
 
@@ -272,7 +272,7 @@ def test_shift_override_recomputes_wan22_unipc_flow_sigmas(tmp_path: Path) -> No
     """Wan2.2's shift 12 at 4 steps: UniPC's own flow sigmas (0.8006 at step 3), not SD3's formula (0.8)."""
     folder = _with_scheduler(make_wan22_pipeline(tmp_path / "wan22"), WAN_UNIPC)
     generator = load_generator(folder, height=16, width=16, num_frames=5)
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(2, 4), shift=12.0), FlowGRPO())
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=12.0), FlowGRPO(sde_window=(2, 4)))
     reference = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=12.0, prediction_type="flow_prediction")
     want = _sigmas(reference, 4)
     torch.testing.assert_close(loop.sigmas(4), want, rtol=0, atol=1e-6)
@@ -287,7 +287,7 @@ def test_shift_override_recomputes_wan22_unipc_flow_sigmas(tmp_path: Path) -> No
     )
     assert described["details"]["flow_shift"] == 12.0 and described["details"]["rollout_shift"] == 12.0
     # Without the override the folder's own flow_shift 3.0 stands.
-    own = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(2, 4)))
+    own = DiffusionDenoise(generator, RolloutConfig(num_steps=4))
     torch.testing.assert_close(
         own.sigmas(4), _sigmas(UniPCMultistepScheduler.from_config(WAN_UNIPC), 4), rtol=0, atol=1e-6
     )
@@ -295,7 +295,7 @@ def test_shift_override_recomputes_wan22_unipc_flow_sigmas(tmp_path: Path) -> No
 
 def test_shift_override_recomputes_flow_match_euler_and_turns_dynamic_shifting_off(tmp_path: Path) -> None:
     sd3 = load_generator(make_sd3_pipeline(tmp_path / "sd3"), height=32, width=32)  # the folder ships shift 3.0
-    loop = DiffusionDenoise(sd3, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=1.0))
+    loop = DiffusionDenoise(sd3, RolloutConfig(num_steps=4, shift=1.0))
     torch.testing.assert_close(
         loop.sigmas(4), _sigmas(FlowMatchEulerDiscreteScheduler(shift=1.0), 4), rtol=0, atol=1e-7
     )
@@ -312,7 +312,7 @@ def test_shift_override_recomputes_flow_match_euler_and_turns_dynamic_shifting_o
         "use_dynamic_shifting": True,
     }
     flux = load_generator(_with_scheduler(make_flux_pipeline(tmp_path / "flux"), flux_dev), height=32, width=32)
-    loop = DiffusionDenoise(flux, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=2.0))
+    loop = DiffusionDenoise(flux, RolloutConfig(num_steps=4, shift=2.0))
     reference = FlowMatchEulerDiscreteScheduler.from_config({**flux_dev, "shift": 2.0, "use_dynamic_shifting": False})
     custom = torch.linspace(1.0, 0.25, 4, dtype=torch.float64).tolist()
     torch.testing.assert_close(loop.sigmas(4), _sigmas(reference, 4, sigmas=custom), rtol=0, atol=1e-7)
@@ -323,7 +323,7 @@ def test_shift_override_recomputes_flow_match_euler_and_turns_dynamic_shifting_o
 
 def test_the_projects_own_generator_keeps_the_sd3_shift_formula(tiny) -> None:
     generator, _, _ = tiny
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=3.0))
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=3.0))
     assert torch.equal(loop.sigmas(4), flow_sigmas(4, 3.0))
     assert loop.describe()["source"] == "model.rollout.shift=3.0"
 

@@ -54,7 +54,7 @@ def _cpu(tmp_path: Path, family: str, pipeline: Path, refiner: str) -> list[str]
         "--data.prompts_per_step=2",
         "--data.samples_per_prompt=2",
         "--model.rollout.num_steps=4",
-        "--model.rollout.sde_window=[0,2]",
+        "--model.generator_algorithm.init_args.sde_window=[0,2]",
         "--model.rollout.max_new_tokens=12",
         "--data.val_batch_size=2",
         *FAMILIES[family][1],

@@ -36,7 +36,7 @@ FAST = (
     "--trainer.limit_val_batches=0",
     "--trainer.enable_checkpointing=false",
     "--model.rollout.num_steps=4",
-    "--model.rollout.sde_window=[0,2]",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
 )
 
 

@@ -225,7 +225,7 @@ def test_c2_fires_on_a_sigma_shifted_by_one_step_in_the_recompute(built, clean_e
     original = DiffusionDenoise.step_logprob
 
     def shifted(self, record, step, chunk):
-        sigmas, (start, end) = self.sigmas(self.config.num_steps), self.config.sde_window
+        sigmas, (start, end) = self.sigmas(self.config.num_steps), self.algorithm.window(self.config)
         off_by_one = replace(record, sigma=sigmas[start + 1 : end + 1], sigma_next=sigmas[start + 2 : end + 2])
         return original(self, off_by_one, step, chunk)
 

@@ -139,7 +139,7 @@ def test_two_mini_batches_train_each_half_once_and_the_gate_sees_the_whole_rollo
             "--trainer.limit_val_batches=0",
             "--trainer.max_steps=2",
             "--model.rollout.num_steps=4",
-            "--model.rollout.sde_window=[0,2]",
+            "--model.generator_algorithm.init_args.sde_window=[0,2]",
             "--model.llm_loss.mini_batches=2",
             "--model.transformer_loss.mini_batches=2",
         ],

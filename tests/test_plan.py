@@ -48,7 +48,7 @@ TINY = {
     "data.prompts_per_step": "2",
     "data.samples_per_prompt": "2",
     "model.rollout.num_steps": "4",
-    "model.rollout.sde_window": "[0,2]",
+    "model.generator_algorithm.init_args.sde_window": "[0,2]",
     "model.rollout.max_new_tokens": "12",
     "model.rollout.micro_batch_size": "2",
 }
@@ -123,7 +123,7 @@ def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit
 def _update_peak(generator: SD3Generator, samples: int, micro_batch: int | None) -> int:
     """Bytes the DiT update adds at its peak over what is resident before it, for one prompt's ``samples``."""
     loop = DiffusionDenoise(
-        generator, RolloutConfig(num_steps=4, sde_window=(0, 2), micro_batch_size=micro_batch), FlowGRPO()
+        generator, RolloutConfig(num_steps=4, micro_batch_size=micro_batch), FlowGRPO(sde_window=(0, 2))
     )
     cond = generator.encode(["a red cat on the left"] * samples)
     _, record = loop.sample(cond, [0] * samples, list(range(samples)), "rollout", seed=0)

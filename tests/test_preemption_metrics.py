@@ -25,7 +25,7 @@ OPTS = (
     "--trainer.limit_val_batches=1",
     "--trainer.val_check_interval=1000",
     "--model.rollout.num_steps=4",
-    "--model.rollout.sde_window=[0,2]",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
 )
 WATCH = "--trainer.callbacks+=unirl_pl.callbacks.PreemptionCheckpoint"
 DERIVED = {"cache/text_encoder_hit_rate"}  # the text-encoder cache is cold after a resume

@@ -163,7 +163,7 @@ def test_the_trainer_computes_advantages_from_the_normalized_terms_and_logs_them
         "--trainer.max_steps=1",
         "--trainer.limit_val_batches=0",
         "--model.rollout.num_steps=4",
-        "--model.rollout.sde_window=[0,2]",
+        "--model.generator_algorithm.init_args.sde_window=[0,2]",
         "--model.rewards={brightness: 100.0, contains_word: 1.0}",
         "--model.reward_normalization=group",
     )

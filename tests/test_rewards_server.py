@@ -155,7 +155,7 @@ def _fit(tmp_path: Path, pipeline: Path, rewards: str, reward_args: str, name: s
             "--data.prompts_per_step=2",
             "--data.samples_per_prompt=2",
             "--model.rollout.num_steps=4",
-            "--model.rollout.sde_window=[0,2]",
+            "--model.generator_algorithm.init_args.sde_window=[0,2]",
             "--trainer.max_steps=2",
             "--trainer.limit_val_batches=0",
             "--trainer.enable_checkpointing=false",

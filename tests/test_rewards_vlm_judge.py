@@ -319,7 +319,7 @@ def test_a_fit_with_a_stalling_judge_drops_the_stalled_samples_and_trains_on_the
             "--trainer.max_steps=2",
             "--trainer.limit_val_batches=0",
             "--model.rollout.num_steps=4",
-            "--model.rollout.sde_window=[0,2]",
+            "--model.generator_algorithm.init_args.sde_window=[0,2]",
             "--model.rewards={vlm_judge: 1.0}",
             f"--model.reward_args={{vlm_judge: {json.dumps(judge)}}}",
             "--model.nonfinite_rewards=drop",

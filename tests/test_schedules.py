@@ -99,7 +99,7 @@ def test_generator_schedule_is_the_pipelines_own_at_two_sizes(case, num_steps):
         assert ours.shape == (num_steps + 1,) and ours[0] == 1.0 and ours[-1] == 0.0
         torch.testing.assert_close(ours, expected, rtol=0, atol=1e-7)
         # The loop samples on exactly this schedule when the recipe sets no shift.
-        loop = DiffusionDenoise(generator, RolloutConfig(num_steps=num_steps, sde_window=(0, 2)))
+        loop = DiffusionDenoise(generator, RolloutConfig(num_steps=num_steps))
         torch.testing.assert_close(loop.sigmas(num_steps), expected, rtol=0, atol=1e-7)
         schedules.append(ours)
     linear = flow_sigmas(num_steps)
@@ -126,7 +126,7 @@ def test_sd35_ten_steps_are_the_published_schedule(tmp_path):
 def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
     folder = _with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
     generator = load_generator(folder, height=32, width=32)
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, sde_window=(0, 2), shift=1.0), FlowGRPO())
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=1.0), FlowGRPO(sde_window=(0, 2)))
     torch.testing.assert_close(loop.sigmas(4), flow_sigmas(4, 1.0), rtol=0, atol=0)
     described = write_schedule(loop, tmp_path / "run")
     assert "model.rollout.shift=1.0" in described["source"] and "overriding" in described["source"]
@@ -138,7 +138,7 @@ def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
 def test_schedule_json_describes_the_pipeline_schedule_and_sde_steps(tmp_path):
     folder = _with_scheduler(make_flux_pipeline(tmp_path / "flux"), FLUX_DEV)
     generator = load_generator(folder, height=32, width=32)
-    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=6, sde_window=(1, 4)), FlowGRPO())
+    loop = DiffusionDenoise(generator, RolloutConfig(num_steps=6), FlowGRPO(sde_window=(1, 4)))
     on_disk = write_schedule(loop, tmp_path / "run")
     assert on_disk == json.loads((tmp_path / "run" / "schedule.json").read_text())
     assert on_disk["sigmas"] == generator.schedule(6).sigmas.tolist()

@@ -55,7 +55,7 @@ def _decode_worker(rank: int, port: int, out_dir: str) -> None:
             return out
 
         llm.forward = forced
-        config = RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=4, sde_window=(0, 2))
+        config = RolloutConfig(max_new_tokens=MAX_NEW_TOKENS, num_steps=4)
         prompts = ["a red circle", "a blue square"]
         _, record = ARDecode(llm, config).sample(prompts, [rank, rank + 2], [0, 0], "rollout", seed=0)
         lengths = record.gen_mask.sum(1).tolist()

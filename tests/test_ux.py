@@ -20,7 +20,7 @@ from unirl_pl.module import UniRLModule
 from unirl_pl.paths import resolve, search_roots
 from unirl_pl.threads import set_threads
 
-FAST = ("--model.rollout.num_steps=4", "--model.rollout.sde_window=[0,2]")
+FAST = ("--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
 
 
 def _env() -> dict[str, str]:
@@ -190,7 +190,7 @@ def test_fit_runs_from_another_directory(tmp_path):
             "--data.prompts_per_step=2",
             "--data.samples_per_prompt=2",
             "--model.rollout.num_steps=4",
-            "--model.rollout.sde_window=[0,2]",
+            "--model.generator_algorithm.init_args.sde_window=[0,2]",
         ],
         cwd=tmp_path,
         env=_env(),

@@ -28,7 +28,7 @@ SMALL_FIT = (
     "--data.val_images_per_prompt=1",
     "--data.prompts_per_step=2",
     "--model.rollout.num_steps=4",
-    "--model.rollout.sde_window=[0,2]",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
 )
 SMALL = {
     "fit": SMALL_FIT,

@@ -238,9 +238,10 @@ def _recipe_cpu_block() -> list[str]:
 
 def test_recipe_window_trains_both_experts_at_real_size() -> None:
     """At the recipe's own steps, shift and window, Wan2.2-T2V-A14B's boundary puts SDE steps on both sides."""
-    rollout = yaml.safe_load(RECIPE.read_text())["model"]["init_args"]["rollout"]
+    model = yaml.safe_load(RECIPE.read_text())["model"]["init_args"]
+    rollout = model["rollout"]
     sigmas = flow_sigmas(rollout["num_steps"], rollout["shift"])
-    start, end = rollout["sde_window"]
+    start, end = model["generator_algorithm"]["init_args"]["sde_window"]
     experts = expert_for_sigma(sigmas[start:end], 0.875, 1000).tolist()
     assert experts.count(HIGH_NOISE) >= 2 and experts.count(LOW_NOISE) >= 2, experts
 
@@ -267,7 +268,7 @@ def test_recipe_cpu_block_trains_both_experts_and_exports_for_wan_pipeline(tmp_p
     module, generator = cli.model, cli.model.generator
     assert module.ledger["transformer"] == 2, "one weight version for both experts"
     # The block's window [2, 4) of 4 steps at the recipe's shift 12 (sigmas .923 and .8) spans the boundary.
-    assert "--model.rollout.sde_window=[2,4]" in block and "--model.rollout.num_steps=4" in block
+    assert "--model.generator_algorithm.init_args.sde_window=[2,4]" in block and "--model.rollout.num_steps=4" in block
     window = flow_sigmas(4, module.rollout_config.shift)[2:4]
     assert generator.expert_index(window).tolist() == [HIGH_NOISE, LOW_NOISE]
     for model in generator.transformers:

@@ -75,7 +75,7 @@ class UniRLModule(pl.LightningModule):
         transformer_loss: Policy-loss settings of the generator shared by its algorithms (clip range, KL
             weight, gradient clip, rollout correction).
         generator_algorithm: How the generator learns (:mod:`unirl_pl.algorithms`): what its rollout records,
-            its loss, what C2 checks, its schedule. ``FlowGRPO`` (default, on ``rollout.sde_window``),
+            its loss, what C2 checks, its schedule. ``FlowGRPO`` (default; its ``sde_window`` and ``noise_level``),
             ``FlowGRPOFast``, ``MixGRPO``, ``FlowCPS``, ``DiffusionNFT``; overlays in ``recipes/algorithms/``.
         llm_algorithm: How the refiner learns: ``TokenGRPO`` (default), ``DAPO``, ``GSPO``.
         ppo_epochs: Passes over each experience; each pass makes one optimizer step per mini-batch of each

@@ -36,7 +36,7 @@ QUICK: tuple[str, ...] = (
     "--data.prompts_per_step=2",
     "--data.samples_per_prompt=2",
     "--model.rollout.num_steps=4",
-    "--model.rollout.sde_window=[0,2]",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
 )
 STDERR_TAIL = 25
 # Added to every fit: held-out scores against the training CPU seconds spent to reach them.

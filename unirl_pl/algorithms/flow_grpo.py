@@ -63,7 +63,7 @@ class FlowGRPO(GeneratorAlgorithm):
 
     def noise_level(self, config: RolloutConfig) -> float:
         """The noise level of the stochastic steps."""
-        return config.noise_level
+        return self.level
 
     def plan(self, config: RolloutConfig, seed: int, request_ids: list[int], sample_indices: list[int]) -> StepPlan:
         start, end = self.window(config)

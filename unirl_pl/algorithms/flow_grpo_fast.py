@@ -29,17 +29,27 @@ class FlowGRPOFast(FlowGRPO):
         window_size: Stochastic (trained) steps per trajectory (the reference uses 1 or 2).
         window_range: ``[lo, hi)`` denoising steps the window lies in (None: ``[0, num_steps - 1)``, every step
             but the last, whose SDE variance Flow-GRPO's step degenerates at).
+        noise_level: The SDE's noise scale ``a`` on the window's steps.
         guard: GRPO-Guard's regulated clipping (see :class:`FlowGRPO`).
     """
 
-    def __init__(self, window_size: int = 2, window_range: tuple[int, int] | None = None, guard: bool = False) -> None:
-        super().__init__(guard=guard)
+    def __init__(
+        self,
+        window_size: int = 2,
+        window_range: tuple[int, int] | None = None,
+        noise_level: float = 0.7,
+        guard: bool = False,
+    ) -> None:
+        super().__init__(noise_level=noise_level, guard=guard)
         if window_size < 1:
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if window_range is not None and not 0 <= window_range[0] < window_range[0] + window_size <= window_range[1]:
             raise ValueError(f"window_range {window_range} must hold window_size={window_size} steps from >= 0")
         self.window_size = window_size
         self.window_range = None if window_range is None else (int(window_range[0]), int(window_range[1]))
+
+    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
+        self.span(loop.config)
 
     def span(self, config: RolloutConfig) -> tuple[int, int]:
         """The ``[lo, hi)`` steps the windows lie in, checked against ``config.num_steps``."""

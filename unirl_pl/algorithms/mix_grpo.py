@@ -38,6 +38,7 @@ class MixGRPO(FlowGRPO):
         post_solver: The ODE after the window: ``euler`` (MixGRPO) or ``dpm2`` (MixGRPO-Flash).
         post_keep: With ``dpm2``, the fraction of the schedule's points after the window that are kept (MixGRPO-Flash:
             0.4); 1 keeps every step.
+        noise_level: The SDE's noise scale ``a`` on the window's steps.
     """
 
     def __init__(
@@ -50,8 +51,9 @@ class MixGRPO(FlowGRPO):
         guard: bool = False,
         post_solver: Literal["euler", "dpm2"] = "euler",
         post_keep: float = 1.0,
+        noise_level: float = 0.7,
     ) -> None:
-        super().__init__(guard=guard)
+        super().__init__(noise_level=noise_level, guard=guard)
         # Checked here, at parse time, rather than at the first rollout.
         StepPlan((0,), 1, post_solver=post_solver, post_keep=post_keep)
         if post_solver == "euler" and post_keep != 1.0:

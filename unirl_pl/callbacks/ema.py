@@ -237,7 +237,7 @@ class EMA(pl.Callback):
         current = {"decay": self.decay, "every_n_steps": self.every_n_steps, "start_step": self.start_step}
         current["warmup"] = self.warmup
         if settings != current:
-            rank_zero_warn(f"EMA: resuming with settings {current}; the checkpoint's EMA was kept with {settings}")
+            rank_zero_warn(f"EMA: the checkpoint's EMA was kept with {settings}; this run continues it with {current}")
         if self.ema is None:
             self._loaded = dict(state_dict)
         else:

@@ -187,11 +187,10 @@ class InterleaveParityCheck(pl.Callback):
     def _requests(self) -> tuple[list[int], list[int]]:
         return [PROBE_REQUEST_ID] * self.num_requests, list(range(self.num_requests))
 
-    def probe_step_counts(self, config: Any, least: int | None = None) -> list[int]:
+    def probe_step_counts(self, config: Any, least: int = 1) -> list[int]:
         """The denoising step count of each probe request (``step_counts`` cycled, or the default mix: the
         configured count and about half of it, never below ``least``, the fewest steps a rollout request of
-        the generator's algorithm may run; None: the end of ``config.sde_window``)."""
-        least = config.sde_window[1] if least is None else least
+        the generator's algorithm may run)."""
         options = self.step_counts or [config.num_steps, max(least, (config.num_steps + 1) // 2)]
         return [options[i % len(options)] for i in range(self.num_requests)]
 

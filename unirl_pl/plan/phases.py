@@ -108,6 +108,12 @@ def text_encode(generator: torch.nn.Module, texts: int) -> Cond:
     return generator.encode(["a prompt"] * texts)
 
 
+def noise_level(loop: DiffusionDenoise) -> float:
+    """The generator algorithm's noise level (a likelihood-free algorithm has none: the SDE's default)."""
+    level = getattr(loop.algorithm, "noise_level", None)
+    return float(level(loop.config)) if callable(level) else 0.7
+
+
 def dit_rollout_step(loop: DiffusionDenoise, cond: Cond, uncond: Cond | None) -> tuple[Tensor, Tensor]:
     """One SDE step of one rollout micro-batch (the rows of ``cond``), guided when the loop is: the
     (conditional and unconditional rows in one batch) velocity and the Flow-GRPO step with its log-prob."""
@@ -116,7 +122,7 @@ def dit_rollout_step(loop: DiffusionDenoise, cond: Cond, uncond: Cond | None) ->
         x = torch.randn(rows, *loop.generator.latent_shape)
         v = loop.velocity(x, SIGMA, cond, uncond)
         x_next, logp, _, _ = flow_sde_step_with_logprob(
-            x, v, SIGMA, SIGMA_NEXT, sigma_max=SIGMA_MAX, noise_level=loop.config.noise_level
+            x, v, SIGMA, SIGMA_NEXT, sigma_max=SIGMA_MAX, noise_level=noise_level(loop)
         )
     return x_next, logp
 
@@ -134,7 +140,7 @@ def dit_record(
         old_logp=old_logp,
         cond=cond,
         sigma_max=SIGMA_MAX,
-        noise_level=loop.config.noise_level,
+        noise_level=noise_level(loop),
         chunks=[(0, prev.shape[0])],
         version=0,
         uncond=uncond,

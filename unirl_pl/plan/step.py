@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unirl_pl.loops import ARDecode, DiffusionDenoise
+from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 from unirl_pl.method.grpo import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import FakeExperts
@@ -65,12 +65,22 @@ class StepSizes:
     cache_entries: int
 
 
+def recorded_steps(algorithm: Any, rollout: RolloutConfig) -> int:
+    """The stochastic (recorded, trained) denoising steps per sample the generator algorithm plans; 0 for one
+    that records no steps (DiffusionNFT samples the ODE)."""
+    try:
+        plan = algorithm.plan(rollout, 0, [0], [0])
+    except NotImplementedError:
+        return 0
+    return plan.size if plan.stochastic else 0
+
+
 def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSizes:
     """The per-rank sizes of ``recipe``'s step; the feature cache's batch is its default."""
     prompts = recipe.prompts_per_step // recipe.devices
     layout = recipe.layout
     texts = prompts * layout.samples_per_prompt
-    start, end = recipe.rollout.sde_window
+    sde_steps = recorded_steps(recipe.generator_algorithm, recipe.rollout)
     cache = FeatureCache(VersionLedger(["text_encoder"]))
     # An offloaded cache holds nothing on the device between uses (a step's rows are the ``cond`` part).
     entries = 0 if recipe.rollout.feature_cache_offload else recipe.rollout.feature_cache_size
@@ -79,7 +89,7 @@ def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSiz
         texts=texts,
         refined=len(layout.refined_rows(prompts, refine=refines)),
         images=texts * layout.images_per_refinement,
-        sde_steps=end - start,
+        sde_steps=sde_steps,
         prompt_tokens=prompt_tokens,
         new_tokens=recipe.rollout.max_new_tokens,
         encode_batch=cache.encode_batch,

@@ -53,7 +53,7 @@ def load_experts(
     if llm is not None:
         llm.build()
     config = RolloutConfig(
-        num_steps=num_steps, sde_window=(0, 1), guidance_scale=guidance_scale, max_new_tokens=16, shift=shift
+        num_steps=num_steps, guidance_scale=guidance_scale, max_new_tokens=16, shift=shift
     )
     ar = ARDecode(llm, config) if llm is not None else None
     return ShapesExperts(generator, llm, DiffusionDenoise(generator, config), ar)

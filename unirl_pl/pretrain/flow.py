@@ -234,7 +234,7 @@ class FlowMatchingPretrain(pl.LightningModule):
     def sample(self, prompts: list[str], seed: int = 0, num_steps: int | None = None) -> Tensor:
         """Images (N, 3, H, W) in [0, 1] for ``prompts`` via the RL serve path's deterministic ODE."""
         generator = ComponentGenerator(self.transformer, self.text_encoder, vae=None)
-        config = RolloutConfig(num_steps=num_steps or self.val_num_steps, sde_window=(0, 1), shift=self.shift)
+        config = RolloutConfig(num_steps=num_steps or self.val_num_steps, shift=self.shift)
         loop = DiffusionDenoise(generator, config)
         hidden, pooled = self.encode(prompts)
         n = len(prompts)

@@ -120,7 +120,7 @@ class RefinerSFT(pl.LightningModule):
     @torch.no_grad()
     def refine(self, prompts: list[str]) -> list[str]:
         """Greedy refinements of ``prompts`` through the ``ar_decode`` loop's ``serve`` profile."""
-        loop = ARDecode(self.llm, RolloutConfig(max_new_tokens=self.max_new_tokens, sde_window=(0, 1)))
+        loop = ARDecode(self.llm, RolloutConfig(max_new_tokens=self.max_new_tokens))
         texts, _ = loop.sample(prompts, list(range(len(prompts))), [0] * len(prompts), "serve", seed=0)
         return texts
 
