@@ -31,7 +31,7 @@ from unirl_pl.distributed import agree_max, shard_experts
 from unirl_pl.evaluation import serve, validation_scores
 from unirl_pl.experts import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
-from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig, write_schedule
+from unirl_pl.loops import ARDecode, DiffusionDenoise, EvalSampler, RolloutConfig, write_schedule
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
@@ -64,7 +64,10 @@ class UniRLModule(pl.LightningModule):
             trains the LM and samples the frozen generator with the ODE; ``generator_only`` trains the
             generator behind the frozen LM (greedy rewrites, exactly as served), or on the user's prompts
             when ``llm`` is null (Flow-GRPO without a refiner).
-        rollout: How both loops sample (tokens, steps, SDE window, micro-batches, guidance).
+        rollout: How both loops sample (tokens, steps, shift, micro-batches, guidance); the stochastic steps
+            and their noise are the generator algorithm's.
+        eval_sampler: What validation and predict sample with where it differs from ``rollout`` (steps,
+            guidance), as the references evaluate.
         rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward. Required.
         reward_args: Reward name -> keyword arguments for rewards that take some.
         advantage: How rewards become advantages (scheme, global std, clipping).
@@ -103,6 +106,7 @@ class UniRLModule(pl.LightningModule):
         pipeline_path: str | None = None,
         mode: Literal["joint", "prompt_only", "generator_only"] = "joint",
         rollout: RolloutConfig = RolloutConfig(),
+        eval_sampler: EvalSampler = EvalSampler(),
         rewards: dict[str, float] | None = None,
         reward_args: dict[str, dict[str, Any]] | None = None,
         advantage: AdvantageConfig = AdvantageConfig(),
@@ -145,6 +149,7 @@ class UniRLModule(pl.LightningModule):
             generator.pipeline_path = pipeline_path
         self.mode, self.llm, self.generator = mode, llm, generator
         self.rollout_config, self.advantage = rollout, advantage
+        self.eval_config = eval_sampler.apply(rollout)
         self.reward_fn = WeightedSum(
             rewards,
             reward_args,
@@ -161,6 +166,7 @@ class UniRLModule(pl.LightningModule):
         self.ledger = VersionLedger(list(self.card.components))
         self.ar_decode: ARDecode | None = None
         self.diffusion_denoise: DiffusionDenoise | None = None
+        self.eval_denoise: DiffusionDenoise | None = None
         self.conditioning = Conditioner(
             generator, self.ledger, cache_size=rollout.feature_cache_size, offload=rollout.feature_cache_offload
         )
@@ -192,6 +198,11 @@ class UniRLModule(pl.LightningModule):
         runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
         self.ar_decode = ARDecode(self.llm, self.rollout_config) if runs_lm else None
         self.diffusion_denoise = DiffusionDenoise(self.generator, self.rollout_config, self.generator_algorithm)
+        self.eval_denoise = (
+            self.diffusion_denoise
+            if self.eval_config == self.rollout_config
+            else DiffusionDenoise(self.generator, self.eval_config, self.generator_algorithm)
+        )
         self.source = ExperienceSource(
             ar_decode=self.ar_decode,
             diffusion_denoise=self.diffusion_denoise,
@@ -464,10 +475,11 @@ class UniRLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
-        """Refined prompts and pixels on the deterministic serve path (greedy tokens, ODE)."""
-        assert self.diffusion_denoise is not None, "configure_model() builds the loops"
-        guided = self.rollout_config.guided
-        return serve(self.ar_decode, self.diffusion_denoise, self.conditioning, batch, guided)
+        """Refined prompts and pixels on the deterministic serve path (greedy tokens, ODE), with the evaluation
+        sampler's steps and guidance."""
+        assert self.eval_denoise is not None, "configure_model() builds the loops"
+        guided = self.eval_config.guided
+        return serve(self.ar_decode, self.eval_denoise, self.conditioning, batch, guided)
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
         refined, images = self.serve(batch)

@@ -2,7 +2,7 @@
 training: ``ar_decode`` (the refiner's tokens) and ``diffusion_denoise`` (the flow sampler)."""
 
 from unirl_pl.loops.ar_decode import ARDecode
-from unirl_pl.loops.config import Profile, RolloutConfig, chunk_bounds
+from unirl_pl.loops.config import EvalSampler, Profile, RolloutConfig, chunk_bounds
 from unirl_pl.loops.diffusion_denoise import SCHEDULE_FILE, DiffusionDenoise, write_schedule
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "DiffusionDenoise",
     "Profile",
     "RolloutConfig",
+    "EvalSampler",
     "chunk_bounds",
     "write_schedule",
 ]

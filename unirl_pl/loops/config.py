@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 Profile = Literal["serve", "rollout"]
@@ -104,6 +104,36 @@ class RolloutConfig:
     def guided(self) -> bool:
         """Whether sampling runs classifier-free guidance (an unconditional branch)."""
         return self.guidance_scale != 1.0
+
+
+@dataclass(frozen=True)
+class EvalSampler:
+    """How validation and predict sample: the references evaluate with their own settings (Flow-GRPO's SD3
+    configs train on 10 steps and evaluate on 40; see ``docs/reproduce.md``). Unset values are the rollout's.
+
+    Args:
+        num_steps: Denoising steps of the deterministic (ODE) sampler validation and predict run (None: the
+            rollout's ``num_steps``).
+        guidance_scale: Classifier-free guidance scale of validation and predict (None: the rollout's).
+    """
+
+    num_steps: int | None = None
+    guidance_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and self.num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1 or null, got {self.num_steps}")
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise ValueError(f"guidance_scale must be >= 0 or null, got {self.guidance_scale}")
+
+    def apply(self, rollout: RolloutConfig) -> RolloutConfig:
+        """The rollout's sampler settings with these in place of the ones they set."""
+        changes: dict[str, Any] = {}
+        if self.num_steps is not None:
+            changes["num_steps"] = self.num_steps
+        if self.guidance_scale is not None:
+            changes["guidance_scale"] = self.guidance_scale
+        return replace(rollout, **changes) if changes else rollout
 
 
 @dataclass(frozen=True)
