@@ -210,6 +210,34 @@ def test_dtensor_parameters(tmp_path):
         other.load_state_dict(state)
         assert isinstance(other.ema["transformer.lora"], DTensor)
         assert torch.equal(other.ema["transformer.lora"].full_tensor(), torch.ones(4, 2))
+
+        # fully_shard with reshard_after_forward=False: a no-grad forward keeps its gathered weights, which the
+        # next forward would reuse; the swap must make validation's forwards see the EMA, and training's after it
+        # the training weights again.
+        from torch.distributed.fsdp import fully_shard
+        import torch.nn.functional as F
+
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 4)
+        fully_shard(linear, mesh=mesh, reshard_after_forward=False)
+        module = SimpleNamespace(trained=["transformer"], experts=lambda: {"transformer": linear})
+        trainer.global_step = 0
+        ema = EMA(decay=0.5, every_n_steps=1, warmup=False)
+        ema.on_train_start(trainer, module)
+        with torch.no_grad():
+            for param in linear.parameters():
+                param.add_(1.0)
+        trainer.global_step = 1
+        ema.on_train_batch_end(trainer, module, None, None, 0)
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            trained = linear(x)  # leaves the training weights gathered
+            ema.on_validation_start(trainer, module)
+            scored = linear(x)
+            want = F.linear(x, ema.ema["transformer.weight"].full_tensor(), ema.ema["transformer.bias"].full_tensor())
+            assert torch.allclose(scored, want) and not torch.allclose(scored, trained), "validation sees the EMA"
+            ema.on_validation_epoch_end(trainer, module)
+            assert torch.equal(linear(x), trained), "and training the training weights after it"
         dist.destroy_process_group()
         print("OK")
         """
@@ -365,6 +393,7 @@ def test_validate_from_a_checkpoint_scores_its_ema(full, tmp_path):
         *FAST,
         "--trainer.limit_val_batches=1",
         "--trainer.callbacks+=unirl_pl.callbacks.EMA",
+        "--trainer.callbacks.every_n_steps=1",
         "--trainer.callbacks+=tests.test_ema.EMAProbe",
         f"--ckpt_path={ckpt}",
         subcommand="validate",

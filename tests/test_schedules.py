@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
 from tests.pipelines import make_flux_pipeline, make_sd3_pipeline, make_wan_pipeline
 from unirl_pl.algorithms import FlowGRPO
@@ -127,12 +127,21 @@ def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
     folder = _with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
     generator = load_generator(folder, height=32, width=32)
     loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=1.0), FlowGRPO(sde_window=(0, 2)))
-    torch.testing.assert_close(loop.sigmas(4), flow_sigmas(4, 1.0), rtol=0, atol=0)
+    # The override rebuilds the pipeline's own scheduler with shift 1.0 and calls set_timesteps as
+    # StableDiffusion3Pipeline does (no mu: SD3.5 does not shift dynamically): 1, .667, .334, .001, 0.
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(folder, subfolder="scheduler", shift=1.0)
+    scheduler.set_timesteps(4, device="cpu")
+    expected = scheduler.sigmas.to(torch.float64)
+    assert float(expected[0]) == 1.0 and float(expected[-1]) == 0.0
+    # Not the SD3 formula on linspace(1, 0) (linear at shift 1.0), which the override used to apply.
+    assert (expected - flow_sigmas(4, 1.0)).abs().max() > 0.2
+    torch.testing.assert_close(loop.sigmas(4), expected, rtol=0, atol=0)
     described = write_schedule(loop, tmp_path / "run")
+    assert described["source"].startswith("FlowMatchEulerDiscreteScheduler(shift=1.0")
     assert "model.rollout.shift=1.0" in described["source"] and "overriding" in described["source"]
     assert "FlowMatchEulerDiscreteScheduler(shift=3.0" in described["source"]
     on_disk = json.loads((tmp_path / "run" / "schedule.json").read_text())
-    assert on_disk["sigmas"] == flow_sigmas(4, 1.0).tolist() and on_disk["sde_steps"] == [0, 1]
+    assert on_disk["sigmas"] == expected.tolist() and on_disk["sde_steps"] == [0, 1]
 
 
 def test_schedule_json_describes_the_pipeline_schedule_and_sde_steps(tmp_path):
@@ -150,7 +159,5 @@ def test_schedule_json_describes_the_pipeline_schedule_and_sde_steps(tmp_path):
 
 
 def test_a_scheduler_that_does_not_give_a_flow_schedule_is_refused():
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
     with pytest.raises(ValueError, match="decreasing schedule from 1 to 0"):
         scheduler_sigmas(FlowMatchEulerDiscreteScheduler(invert_sigmas=True), 4)

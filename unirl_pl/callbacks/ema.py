@@ -1,6 +1,6 @@
 """``EMA``: an exponential moving average of each trained adapter, scored by validation and predict.
 
-Flow-GRPO keeps one (``config.train.ema = True`` in every config of ``config/grpo.py``;
+Flow-GRPO keeps one (``config.train.ema = True`` in its ``config/grpo.py`` configs;
 ``EMAModuleWrapper(transformer_trainable_parameters, decay=0.9, update_step_interval=8)`` in
 ``scripts/train_sd3.py``), evaluates with it and saves it as the LoRA. This callback is that wrapper's
 arithmetic on the trainer's global steps; ``docs/ema.md`` has the sources and the one place the
@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 STATE_KEY = "EMA"
@@ -76,6 +77,7 @@ class EMA(pl.Callback):
         self.ema: dict[str, Tensor] | None = None  # "<expert>.<parameter name>" -> EMA tensor
         self.last_step = -1  # the last global step the EMA was updated at (or followed the weights at)
         self._params: dict[str, Tensor] = {}
+        self._experts: list[torch.nn.Module] = []
         self._trainer: pl.Trainer | None = None
         self._stashed: dict[str, Tensor] | None = None  # the training weights while the EMA is swapped in
         self._loaded: dict[str, Any] | None = None  # checkpoint state that arrived before the tensors existed
@@ -102,7 +104,7 @@ class EMA(pl.Callback):
         if step <= self.last_step:
             return False
         self.last_step = step
-        if step <= self.start_step and step > 0:  # not started: the EMA is the weights (the origin at start_step)
+        if 0 < step <= self.start_step:  # not started: the EMA is the weights (the origin at start_step)
             for key, param in self._params.items():
                 self.ema[key].copy_(param.detach())
         decay = self.decay_at(step)
@@ -137,6 +139,9 @@ class EMA(pl.Callback):
         self._trainer = trainer
         if self.ema is not None:
             return
+        names = self.components if self.components is not None else list(pl_module.trained)
+        self._experts = [expert for name, expert in pl_module.experts().items() if name in names]
+        self._reshard()  # FSDP2: name the sharded parameters, not a forward's gathered copies
         self._params = self.trainable(pl_module)
         with torch.no_grad():
             self.ema = {key: param.detach().clone() for key, param in self._params.items()}
@@ -154,6 +159,7 @@ class EMA(pl.Callback):
         """Put the EMA into the experts, keeping the training weights aside (no-op when already swapped)."""
         if self.ema is None or self._stashed is not None:
             return
+        self._reshard()
         self._stashed = {key: param.detach().clone() for key, param in self._params.items()}
         for key, param in self._params.items():
             param.copy_(self.ema[key])
@@ -163,9 +169,18 @@ class EMA(pl.Callback):
         """Put the training weights back, bit for bit (no-op when they are in place)."""
         if self._stashed is None:
             return
+        self._reshard()
         for key, param in self._params.items():
             param.copy_(self._stashed[key])
         self._stashed = None
+
+    def _reshard(self) -> None:
+        """FSDP2 with ``reshard_after_forward=False`` keeps a no-grad forward's gathered weights and reuses them
+        in the next forward: free them, so the forward after a swap gathers the weights just copied in."""
+        for expert in self._experts:
+            for module in expert.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
