@@ -20,6 +20,7 @@ from diffusers import (
     FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    UniPCMultistepScheduler,
     WanPipeline,
     WanTransformer3DModel,
 )
@@ -215,11 +216,19 @@ _WAN21_VAE = {
 
 
 def _save_wan(
-    path: str | Path, seed: int, vae: dict, *, in_channels: int = 4, two_experts: bool = False, **config: object
+    path: str | Path,
+    seed: int,
+    vae: dict,
+    *,
+    in_channels: int = 4,
+    two_experts: bool = False,
+    scheduler: object = None,
+    **config: object,
 ) -> Path:
     """Build the Wan parts from one seeded stream (transformer, UMT5, VAE, then ``transformer_2`` when
     ``two_experts``, so it differs from the first), assemble ``WanPipeline`` with the pipeline ``config``
-    (``boundary_ratio``, ``expand_timesteps``) and save it."""
+    (``boundary_ratio``, ``expand_timesteps``) and ``scheduler`` (default: flow-matching Euler, shift 3)
+    and save it."""
     with seeded_cpu_init(seed):
         transformer = _wan_transformer(in_channels)
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, 32)).eval()
@@ -229,7 +238,7 @@ def _save_wan(
     pipe = WanPipeline(
         tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0) if scheduler is None else scheduler,
         transformer=transformer,
         **parts,
         **config,
@@ -248,13 +257,23 @@ WAN22_BOUNDARY_RATIO = 0.875
 """Wan2.2-T2V-A14B's ``boundary_ratio``: the high-noise expert denoises timesteps >= 875 of 1000."""
 
 
-def make_wan22_pipeline(path: str | Path, seed: int = 0, boundary_ratio: float = WAN22_BOUNDARY_RATIO) -> Path:
+def wan22_scheduler() -> UniPCMultistepScheduler:
+    """The scheduler Wan2.2-T2V-A14B-Diffusers ships: UniPC on flow sigmas, flow prediction, flow_shift 3."""
+    return UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0)
+
+
+def make_wan22_pipeline(
+    path: str | Path, seed: int = 0, boundary_ratio: float = WAN22_BOUNDARY_RATIO, *, unipc: bool = False
+) -> Path:
     """Save a tiny Wan2.2-A14B-style two-expert ``WanPipeline`` and return it: the parts of
     ``make_wan_pipeline`` (same weights for the same seed) plus a differently initialised one-layer
     ``transformer_2`` (the low-noise expert) and ``boundary_ratio`` in ``model_index.json``, as diffusers
-    saves Wan2.2-T2V-A14B. (The real folder ships a ``UniPCMultistepScheduler`` with flow sigmas; the
-    tiny one keeps the flow-matching Euler scheduler of the Wan2.1 builder.)"""
-    return _save_wan(path, seed, _WAN21_VAE, two_experts=True, boundary_ratio=boundary_ratio)
+    saves Wan2.2-T2V-A14B. The real folder ships a ``UniPCMultistepScheduler`` with flow sigmas
+    (:func:`wan22_scheduler`), which ``unipc`` gives (a ``rollout.shift`` then replaces its ``flow_shift``:
+    shift 12 at 4 steps is 1, .973, .923, .8006, 0); by default the tiny one keeps the flow-matching Euler
+    scheduler of the Wan2.1 builder, whose steps an Euler loop reproduces exactly."""
+    scheduler = wan22_scheduler() if unipc else None
+    return _save_wan(path, seed, _WAN21_VAE, two_experts=True, scheduler=scheduler, boundary_ratio=boundary_ratio)
 
 
 def make_wan22_ti2v_pipeline(path: str | Path, seed: int = 0) -> Path:
@@ -289,7 +308,7 @@ if __name__ == "__main__":
         "sd3": make_sd3_pipeline,
         "flux": make_flux_pipeline,
         "wan": make_wan_pipeline,
-        "wan22": make_wan22_pipeline,
+        "wan22": lambda folder: make_wan22_pipeline(folder, unipc=True),  # the real folder's UniPC scheduler
         "wan22_ti2v": make_wan22_ti2v_pipeline,
     }
     if len(sys.argv) != 3 or sys.argv[1] not in builders:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from diffusers import WanPipeline
+from diffusers import UniPCMultistepScheduler, WanPipeline
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
@@ -248,7 +248,9 @@ def test_recipe_window_trains_both_experts_at_real_size() -> None:
 
 @pytest.mark.integration
 def test_recipe_cpu_block_trains_both_experts_and_exports_for_wan_pipeline(tmp_path: Path, monkeypatch) -> None:
-    tiny = make_wan22_pipeline(tmp_path / "tiny-wan22")
+    # The real folder's scheduler (UniPC on flow sigmas), as `python -m tests.pipelines wan22` builds it.
+    tiny = make_wan22_pipeline(tmp_path / "tiny-wan22", unipc=True)
+    assert json.loads((tiny / "model_index.json").read_text())["scheduler"] == ["diffusers", "UniPCMultistepScheduler"]
     qwen = make_qwen2_chat_lm(tmp_path / "tiny-qwen")
     block = [
         arg.replace("/tmp/tiny-wan22", str(tiny)).replace("/tmp/tiny-qwen", str(qwen)) for arg in _recipe_cpu_block()
@@ -267,10 +269,19 @@ def test_recipe_cpu_block_trains_both_experts_and_exports_for_wan_pipeline(tmp_p
     assert series(rows, "parity/transformer_max_abs_diff") == [0.0]
     module, generator = cli.model, cli.model.generator
     assert module.ledger["transformer"] == 2, "one weight version for both experts"
-    # The block's window [2, 4) of 4 steps at the recipe's shift 12 (sigmas .923 and .8) spans the boundary.
+    # The block's window [2, 4) of 4 steps at the recipe's shift 12 spans the boundary: the shift replaces
+    # UniPC's flow_shift, sigmas 1, .973, .923, .8006, 0 (schedule.json lists them).
     assert "--model.generator_algorithm.init_args.sde_window=[2,4]" in block and "--model.rollout.num_steps=4" in block
-    window = flow_sigmas(4, module.rollout_config.shift)[2:4]
-    assert generator.expert_index(window).tolist() == [HIGH_NOISE, LOW_NOISE]
+    sigmas = module.diffusion_denoise.sigmas(4)
+    shift = module.rollout_config.shift
+    reference = UniPCMultistepScheduler.from_pretrained(tiny, subfolder="scheduler", flow_shift=shift)
+    reference.set_timesteps(4)  # its first sigma is 1 - 1e-6 in float32; the sampler starts at exactly 1
+    assert sigmas[0] == 1.0 and torch.equal(sigmas[1:], reference.sigmas[1:].to(torch.float64))
+    assert abs(float(sigmas[3]) - 0.8006) < 1e-4 and abs(float(flow_sigmas(4, shift)[3]) - 0.8) < 1e-12
+    on_disk = json.loads((Path(cli.trainer.log_dir) / "schedule.json").read_text())
+    assert on_disk["sigmas"] == sigmas.tolist()
+    assert on_disk["source"].startswith("UniPCMultistepScheduler(flow_shift=12.0")
+    assert generator.expert_index(sigmas[2:4]).tolist() == [HIGH_NOISE, LOW_NOISE]
     for model in generator.transformers:
         assert any(torch.count_nonzero(b) > 0 for b in _lora_b(model)), "each expert's LoRA was trained"
 

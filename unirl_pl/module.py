@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
+from unirl_pl.callbacks.ema import EMA
 from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
 from unirl_pl.checkpoint import load_run_state, save_run_state
@@ -97,6 +98,9 @@ class UniRLModule(pl.LightningModule):
             ``reward/dropped``); ``skip`` skips the whole step (weights untouched, ``train/skipped_steps``).
         reward_normalization: ``none``, or ``group``: each reward term is normalized within its prompt's
             group before the weighted sum the advantages come from (``reward/mean`` stays the raw sum).
+        ema: An exponential moving average of the trained adapters (:class:`unirl_pl.callbacks.EMA`) that
+            validation, predict and export use; the module hands it to the trainer as a callback, so a recipe
+            overlay can switch it on (None: off).
     """
 
     def __init__(
@@ -122,6 +126,7 @@ class UniRLModule(pl.LightningModule):
         max_consecutive_skips: int = 3,
         nonfinite_rewards: Literal["error", "drop", "skip"] = "error",
         reward_normalization: Literal["none", "group"] = "none",
+        ema: EMA | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
@@ -172,6 +177,10 @@ class UniRLModule(pl.LightningModule):
         )
         self.source: ExperienceSource | None = None
         self.policy: PolicyLosses | None = None
+        self.ema = ema
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        return [self.ema] if self.ema is not None else []
 
     # ------------------------------------------------------------------ building
     def experts(self) -> dict[str, Any]:

@@ -4,8 +4,9 @@ An arm is what one set of values adds to every command line of its runs: overlay
 ``--config`` files, right after the recipe) and ``--KEY=V`` overrides. For the algorithm keys
 (``model.generator_algorithm``, ``model.llm_algorithm``) a bare name is the algorithm's overlay,
 ``recipes/algorithms/<name>.yaml`` (next to the recipe, else the repository's), and a ``.yaml`` path is an
-overlay as given; every other value, and every other key, is passed as ``--KEY=V``. Several ``--vary``
-flags are crossed; with none there is one arm with an empty label, the recipe as it is.
+overlay as given; the key ``overlay`` takes recipe overlays (``.yaml`` paths, or ``none`` for the recipe as
+is), e.g. ``--vary overlay=none,recipes/overlays/two_updates_ema.yaml``; every other value, and every other
+key, is passed as ``--KEY=V``. Several ``--vary`` flags are crossed; with none there is one arm with an empty label, the recipe as it is.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALGORITHM_KEYS = ("model.generator_algorithm", "model.llm_algorithm")
+OVERLAY_KEY = "overlay"
 # Keys the ablation sets itself: varying them would fight its own flags.
 RESERVED = {"model.mode": "--modes", "seed_everything": "--seeds", "data.seed": "--seeds"}
 REPO_OVERLAYS = Path(__file__).resolve().parents[2] / "recipes" / "algorithms"
@@ -67,6 +69,12 @@ def _label(text: str) -> str:
 
 def value_arm(key: str, value: str, recipe: str) -> Arm:
     """The arm of one value of one key; raises ``ValueError`` for an algorithm name with no overlay."""
+    if key == OVERLAY_KEY:
+        if value == "none":
+            return Arm("none")
+        if not value.endswith((".yaml", ".yml")) or not Path(value).is_file():
+            raise ValueError(f"--vary {OVERLAY_KEY}: expected 'none' or an existing .yaml overlay, got {value!r}")
+        return Arm(_label(Path(value).stem), configs=(value,))
     if key in ALGORITHM_KEYS and NAME_RE.fullmatch(value):
         path = overlay_path(value, recipe)
         if path is None:
