@@ -256,7 +256,10 @@ def check_family(family: str, args: argparse.Namespace, work: Path, refiner_tiny
         sys.path.insert(0, str(ROOT))
         import tests.pipelines as pipelines
 
-        pipeline = getattr(pipelines, BUILDERS[family])(work / f"pipeline_{family}")
+        # Wan2.2's folder gets the real pipeline's UniPC scheduler, so the recipe's shift 12 splits the window
+        # between the two experts as it does at real size.
+        options = {"unipc": True} if family == "wan22_t2v" else {}
+        pipeline = getattr(pipelines, BUILDERS[family])(work / f"pipeline_{family}", **options)
         source = f"test pipeline ({BUILDERS[family]}, {args.dtype})"
     refiner_dir = args.weights / REFINER_FOLDER if args.weights else None
     refiner = str(refiner_dir) if real and refiner_dir is not None and refiner_dir.is_dir() else refiner_tiny

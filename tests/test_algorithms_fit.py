@@ -16,7 +16,11 @@ from tests.helpers import ROOT, read_metrics, run_cli, series
 pytestmark = pytest.mark.integration
 
 OVERLAYS = ROOT / "recipes" / "algorithms"
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 GATES = (
     "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck, unirl_pl.callbacks.WeightVersionLedger, "
     "unirl_pl.callbacks.InterleaveParityCheck]",

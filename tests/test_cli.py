@@ -47,7 +47,8 @@ def test_fit_joint_writes_metrics_and_gates_hold(tmp_path):
     schedule = json.loads((Path(cli.trainer.log_dir) / "schedule.json").read_text())
     cfg = cli.model.rollout_config
     assert schedule["sigmas"] == flow_sigmas(cfg.num_steps, 1.0).tolist()
-    assert schedule["sde_steps"] == list(range(*cli.model.generator_algorithm.sde_window)) and schedule["source"].startswith("linear")
+    assert schedule["sde_steps"] == list(range(*cli.model.generator_algorithm.sde_window))
+    assert schedule["source"].startswith("linear")
 
 
 @pytest.mark.slow

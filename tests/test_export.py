@@ -11,7 +11,11 @@ from tests.helpers import run_cli
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.export import main as export_main
 
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 
 
 def _assert_roundtrip(module, out) -> None:

@@ -52,7 +52,9 @@ class _Expert:
 def _policy(settings: ExpertLoss) -> tuple[PolicyLosses, _Recorder, Experience]:
     algorithm = _Recorder()
     card = Card.unified(has_llm=True, has_vae=False)
-    policy = PolicyLosses(card, {"ar_decode": None}, {"llm": _Expert()}, lambda name: settings, {"ar_decode": algorithm})
+    policy = PolicyLosses(
+        card, {"ar_decode": None}, {"llm": _Expert()}, lambda name: settings, {"ar_decode": algorithm}
+    )
     record = LMRecord(
         input_ids=torch.zeros(4, 3, dtype=torch.long),
         attention_mask=torch.ones(4, 3, dtype=torch.long),

@@ -13,7 +13,11 @@ import torch
 from tests.helpers import read_metrics, run_cli, series
 from unirl_pl.method.advantages import fill_dropped
 
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 # The tiny recipe's step: 4 prompts x 4 samples.
 BAD: dict[str, object] = {"call": 2, "value": float("nan"), "rows": [3]}
 _CALLS = {"n": 0}

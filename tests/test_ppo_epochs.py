@@ -10,7 +10,11 @@ import torch
 import unirl_pl.method.grpo as grpo
 from tests.helpers import read_metrics, run_cli, series
 
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 EPOCHS = "--model.ppo_epochs=2"
 
 

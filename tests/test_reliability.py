@@ -418,7 +418,11 @@ class StepMarker(pl.Callback):
             time.sleep(0.02)
 
 
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 COMMON = (
     "--trainer.enable_progress_bar=false",
     "--trainer.enable_model_summary=false",

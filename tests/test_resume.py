@@ -11,7 +11,11 @@ from tests.helpers import TINY, read_metrics, run_cli
 from unirl_pl.checkpoint import TRIMMED_KEY, AtomicCheckpointIO
 
 N = 2
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 
 
 def _ckpt_callback(dirpath: Path) -> str:

@@ -33,7 +33,11 @@ from unirl_pl.losses import (
 from unirl_pl.method import ExpertLoss
 from unirl_pl.method.grpo import anchor_and_weights
 
-FAST = ("--trainer.limit_val_batches=0", "--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]")
+FAST = (
+    "--trainer.limit_val_batches=0",
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+)
 BF16 = ("--model.llm.init_args.dtype=bfloat16", "--model.generator.init_args.transformer.init_args.dtype=bfloat16")
 TIS = ("--model.llm_loss.rollout_correction=tis", "--model.transformer_loss.rollout_correction=tis")
 # A bf16-GPU-sized mismatch: the LM's per-token noise is above the half-precision mean limit (1e-2); the

@@ -15,7 +15,11 @@ from unirl_pl.callbacks.run_checkpoint import newest_last_checkpoints
 from unirl_pl.callbacks.summary import checkpoint_rows, reward_curve, validation_text
 from unirl_pl.cli import main
 
-FAST = ("--model.rollout.num_steps=4", "--model.generator_algorithm.init_args.sde_window=[0,2]", "--trainer.enable_model_summary=false")
+FAST = (
+    "--model.rollout.num_steps=4",
+    "--model.generator_algorithm.init_args.sde_window=[0,2]",
+    "--trainer.enable_model_summary=false",
+)
 
 
 def _touch(path: Path) -> Path:

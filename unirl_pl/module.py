@@ -224,6 +224,7 @@ class UniRLModule(pl.LightningModule):
             batch_std=self._global_std,
             drop_nonfinite=self.nonfinite_rewards == "drop",
             refiner_groups=self.llm_algorithm.train_groups,
+            refiner_rewards=self.llm_algorithm.shape_rewards,
         )
         loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
         algorithms = {"diffusion_denoise": self.generator_algorithm, "ar_decode": self.llm_algorithm}

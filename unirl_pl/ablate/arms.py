@@ -6,7 +6,8 @@ An arm is what one set of values adds to every command line of its runs: overlay
 ``recipes/algorithms/<name>.yaml`` (next to the recipe, else the repository's), and a ``.yaml`` path is an
 overlay as given; the key ``overlay`` takes recipe overlays (``.yaml`` paths, or ``none`` for the recipe as
 is), e.g. ``--vary overlay=none,recipes/overlays/two_updates_ema.yaml``; every other value, and every other
-key, is passed as ``--KEY=V``. Several ``--vary`` flags are crossed; with none there is one arm with an empty label, the recipe as it is.
+key, is passed as ``--KEY=V``. Several ``--vary`` flags are crossed; with none there is one arm with an empty
+label, the recipe as it is.
 """
 
 from __future__ import annotations

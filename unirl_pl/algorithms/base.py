@@ -151,6 +151,14 @@ class RefinerAlgorithm(Algorithm):
         once per step after the rewards, before the record reaches the loss and the gates."""
         return None
 
+    def shape_rewards(self, text_rewards: Tensor, record: Any) -> Tensor | None:
+        """The rewards the refiner's advantages come from: given every text sample's (P*K,) reward and the
+        step's refiner record (``record.rows`` its text samples), a (P*K,) tensor that replaces them for the
+        refiner's advantages only (grouped by prompt as before; the generator's advantages, the logged reward
+        and :meth:`train_groups` keep the reward); None (the default) keeps the reward. Called once per step
+        after the rewards."""
+        return None
+
     def units(self, record: Any) -> Tensor:
         """The loss's aggregation units per row, as a mask whose sum counts them: (R, T) real tokens for a
         token mean, (R,) refinements with a real token for a mean over refinements."""

@@ -43,6 +43,8 @@ class DiffusionNFT(GeneratorAlgorithm):
 
     The KL weight to the adapter-disabled reference is ``model.transformer_loss.beta`` (the reference uses
     1e-4 on the mean squared velocity difference); ``clip_eps`` and ``rollout_correction`` do not apply.
+    ``model.rollout.shared_start_noise: true`` is refused when the generator trains (ODE rollouts from one
+    noise give the samples of one text the same image).
 
     Args:
         beta: The NFT step size ``beta`` of the implicit policies (the reference's ``config.beta``: 1.0, or 0.1
@@ -88,6 +90,15 @@ class DiffusionNFT(GeneratorAlgorithm):
         if trained and loop.config.guided:
             raise ValueError(
                 "DiffusionNFT samples and trains without classifier-free guidance: set model.rollout.guidance_scale=1.0"
+            )
+        if trained and loop.config.shared_start_noise:
+            # The rollout is the ODE: a group's samples from one start noise differ only by their text, so the
+            # samples of one text are one image (zero spread, nothing to learn); the reference draws every
+            # sample's noise (NVlabs/DiffusionNFT train_nft_sd3.py: pipeline_with_logprob without latents).
+            raise ValueError(
+                "DiffusionNFT samples by the ODE from each sample's own initial noise: with "
+                "model.rollout.shared_start_noise=true the samples of one text are the same image; set "
+                "model.rollout.shared_start_noise=false"
             )
         self.params = [p for p in expert.parameters() if p.requires_grad] if trained else []
         self.old = [p.detach().clone() for p in self.params]

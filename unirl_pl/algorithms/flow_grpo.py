@@ -20,6 +20,9 @@ from unirl_pl.loops.config import RolloutConfig, StepPlan
 from unirl_pl.losses import LossOutput, grpo_guard_loss
 from unirl_pl.method import grpo
 
+DEFAULT_WINDOW = (0, 3)
+"""The SDE window of a Flow-GRPO algorithm given neither ``sde_window`` nor ``timestep_fraction``."""
+
 
 class FlowGRPO(GeneratorAlgorithm):
     """Flow-GRPO on an SDE window: the default generator algorithm.
@@ -29,23 +32,45 @@ class FlowGRPO(GeneratorAlgorithm):
 
     Args:
         sde_window: ``[start, end)`` denoising steps run as the SDE, recorded and trained; the ODE elsewhere.
-            Must lie within ``model.rollout.num_steps``.
+            Must lie within ``model.rollout.num_steps``. None: ``[0, 3)``, or ``timestep_fraction``'s window.
         noise_level: The SDE's noise scale ``a`` (0 is the ODE, with nothing recorded).
         guard: GRPO-Guard's regulated clipping: the ratio ``exp((logp - old + b) * scale)`` with ``scale =
             std * sqrt(-dt)`` and ``b`` the mean-drift term (so it is centred at 1 at every step), and each
             step's surrogate divided by ``-dt``. The old step mean is the first PPO epoch's recompute (the C2
             gate proves it equals rollout's). Off: Flow-GRPO's ratio, numbers as before algorithms existed.
+        timestep_fraction: The window relative to the schedule, as Flow-GRPO's ``train.timestep_fraction``
+            (0.99 in its SD3 configs): the first ``int(timestep_fraction * num_steps)`` steps, read from
+            ``model.rollout.num_steps`` (10 steps: ``[0, 9)``). The reference samples every step with the SDE
+            and trains those; here the steps after them run the ODE (a stochastic step is a recorded one), so
+            with 0.99 the last step is deterministic where the reference adds its SDE noise. Exclusive with
+            ``sde_window``.
     """
 
     kind = "sde"
 
-    def __init__(self, sde_window: tuple[int, int] = (0, 3), noise_level: float = 0.7, guard: bool = False) -> None:
-        start, end = int(sde_window[0]), int(sde_window[1])
+    def __init__(
+        self,
+        sde_window: tuple[int, int] | None = None,
+        noise_level: float = 0.7,
+        guard: bool = False,
+        timestep_fraction: float | None = None,
+    ) -> None:
+        if timestep_fraction is not None:
+            if sde_window is not None:
+                raise ValueError(
+                    f"{type(self).__name__}: sde_window {tuple(sde_window)} and timestep_fraction {timestep_fraction} "
+                    "both set the window; set one and the other to null"
+                )
+            if not 0 < timestep_fraction <= 1:
+                raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        start, end = (int(sde_window[0]), int(sde_window[1])) if sde_window is not None else DEFAULT_WINDOW
         if not 0 <= start < end:
-            raise ValueError(f"sde_window {tuple(sde_window)} must satisfy 0 <= start < end")
+            raise ValueError(f"sde_window {tuple(sde_window or ())} must satisfy 0 <= start < end")
         if noise_level < 0:
             raise ValueError(f"noise_level must be >= 0, got {noise_level}")
-        self.sde_window, self.level, self.guard = (start, end), float(noise_level), guard
+        self.sde_window = (start, end) if timestep_fraction is None else None
+        self.timestep_fraction = None if timestep_fraction is None else float(timestep_fraction)
+        self.level, self.guard = float(noise_level), guard
         self._old_means: tuple[weakref.ref, Tensor] | None = None
 
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
@@ -54,6 +79,15 @@ class FlowGRPO(GeneratorAlgorithm):
     # ------------------------------------------------------------------ what the rollout records
     def window(self, config: RolloutConfig) -> tuple[int, int]:
         """The ``[start, end)`` stochastic steps of every sample, checked against ``config.num_steps``."""
+        if self.sde_window is None:  # timestep_fraction: the first int(f * N) steps
+            assert self.timestep_fraction is not None
+            end = int(self.timestep_fraction * config.num_steps)
+            if end < 1:
+                raise ValueError(
+                    f"{type(self).__name__}: timestep_fraction {self.timestep_fraction} trains int("
+                    f"{self.timestep_fraction} * num_steps={config.num_steps}) = 0 steps; raise it"
+                )
+            return 0, end
         start, end = self.sde_window
         if end > config.num_steps:
             raise ValueError(

@@ -31,8 +31,9 @@ class MixGRPO(FlowGRPO):
         window_size: Stochastic (trained) steps per trajectory (MixGRPO: 4 of 25).
         steps_per_window: Training steps the window stays at one position (MixGRPO: 25).
         stride: Denoising steps the window moves each time (MixGRPO: 1, overlapping windows).
-        max_start: The last start position (None: ``num_steps - 1 - window_size``, so the window never covers
-            the last step, where the SDE's variance degenerates; MixGRPO stops at ``num_steps - 2``).
+        max_start: The last start position (None: ``num_steps - 2 - window_size``, so the window never covers
+            step ``num_steps - 2`` nor the last: MixGRPO trains ``range(cur, min(cur + group_size, max_timesteps))``
+            with ``max_timesteps = sampling_steps - 2``, its ``grpo_states.py`` and ``train_grpo_flux.py``).
         roll_back: After the last position start over at 0 (MixGRPO's default); otherwise stay there.
         guard: GRPO-Guard's regulated clipping (see :class:`FlowGRPO`).
         post_solver: The ODE after the window: ``euler`` (MixGRPO) or ``dpm2`` (MixGRPO-Flash).
@@ -69,12 +70,20 @@ class MixGRPO(FlowGRPO):
         self.step = 0
 
     def last_start(self, config: RolloutConfig) -> int:
-        """The last window start, checked against ``config.num_steps``."""
-        last = config.num_steps - 1 - self.window_size if self.max_start is None else self.max_start
+        """The last window start, checked against ``config.num_steps``.
+
+        The default keeps every window below step ``num_steps - 2``, as MixGRPO's (Tencent-Hunyuan/MixGRPO
+        e5cdd6a, ``fastvideo/train_grpo_flux.py``: ``max_timesteps=args.sampling_steps-2``; its
+        ``GRPOTrainingStates.get_current_timesteps`` cuts the window at ``max_timesteps``, exclusive). MixGRPO's
+        last positions train a window cut short there; here every position keeps ``window_size`` steps (the
+        record is rectangular), so the last position is the full window ending at step ``num_steps - 3``.
+        """
+        last = config.num_steps - 2 - self.window_size if self.max_start is None else self.max_start
         if last < 0 or last + self.window_size > config.num_steps:
+            below = f" below step num_steps - 2 = {config.num_steps - 2}" if self.max_start is None else ""
             raise ValueError(
-                f"MixGRPO: a window of {self.window_size} steps starting at up to {last} does not fit "
-                f"num_steps={config.num_steps}"
+                f"MixGRPO: a window of {self.window_size} steps starting at up to {last} does not fit{below} "
+                f"(num_steps={config.num_steps})"
             )
         return last
 

@@ -9,7 +9,7 @@ advantage can grow, and aggregates over tokens (``token_mean``) rather than per 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -20,6 +20,20 @@ from unirl_pl.method import grpo
 from unirl_pl.records import LMRecord
 
 Aggregation = Literal["token_mean", "sequence_mean"]
+
+
+def overlong_penalty(lengths: Tensor, max_len: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al., 2025, eq. 13) of responses of ``lengths`` tokens.
+
+    With ``L_max = max_len`` and ``L_cache = buffer``: 0 up to ``L_max - L_cache`` tokens, then
+    ``(L_max - L_cache - |y|) / L_cache * factor`` (linear from 0 to ``-factor`` over the buffer), and
+    ``-factor`` beyond ``L_max``. verl's ``DAPORewardManager`` (``overlong_buffer.len``, ``penalty_factor``):
+    ``min(-(|y| - (L_max - L_cache)) / L_cache * factor, 0)``, the same up to ``L_max`` (a response is never
+    longer). Float64, shaped as ``lengths``.
+    """
+    expected = max_len - buffer
+    penalty = (expected - lengths.double()) / buffer * factor
+    return penalty.clamp(min=-factor, max=0.0)
 
 
 class TokenGRPO(RefinerAlgorithm):
@@ -84,22 +98,62 @@ class DAPO(TokenGRPO):
     advantage 0: only the KL term moves the adapter). The generator, when it trains, sees the whole rollout.
     ``llm/train_groups`` logs how many groups the refiner trained on.
 
+    Overlong reward shaping (``overlong_buffer``, off by default): a refinement of ``|y|`` generated tokens
+    (through its eos) gets :func:`overlong_penalty` with ``L_max = model.rollout.max_new_tokens`` and ``L_cache
+    = overlong_buffer`` added to its reward for the refiner's advantage only (the generator's advantage, the
+    logged reward and dynamic sampling's spread keep the reward, as verl's ``filter_groups.metric=acc``).
+    ``llm/overlong_penalty`` logs its mean over the step's refinements.
+
     Args:
         clip_eps_high: Upper clip range (DAPO: 0.28).
         dynamic_sampling: Drop zero-spread groups from the refiner's loss.
         train_groups: The most informative groups trained on per step and process (None: all of them).
+        overlong_buffer: DAPO's ``L_cache`` in tokens, at most ``rollout.max_new_tokens`` (None: no shaping;
+            verl's DAPO recipe: 4096 of 20480).
+        overlong_penalty_factor: The penalty at ``L_max`` (verl: ``overlong_buffer.penalty_factor`` 1.0).
     """
 
     def __init__(
-        self, clip_eps_high: float = 0.28, dynamic_sampling: bool = True, train_groups: int | None = None
+        self,
+        clip_eps_high: float = 0.28,
+        dynamic_sampling: bool = True,
+        train_groups: int | None = None,
+        overlong_buffer: int | None = None,
+        overlong_penalty_factor: float = 1.0,
     ) -> None:
         super().__init__(clip_eps_high=clip_eps_high, aggregation="token_mean")
         if train_groups is not None and train_groups < 1:
             raise ValueError(f"train_groups must be >= 1 or null, got {train_groups}")
         if train_groups is not None and not dynamic_sampling:
             raise ValueError("train_groups needs dynamic_sampling: true (it counts the informative groups kept)")
+        if overlong_buffer is not None and overlong_buffer < 1:
+            raise ValueError(f"overlong_buffer must be >= 1 token or null, got {overlong_buffer}")
+        if overlong_penalty_factor < 0:
+            raise ValueError(f"overlong_penalty_factor must be >= 0, got {overlong_penalty_factor}")
         self.dynamic_sampling, self.max_groups = dynamic_sampling, train_groups
+        self.overlong_buffer, self.overlong_penalty_factor = overlong_buffer, float(overlong_penalty_factor)
+        self.max_new_tokens: int | None = None
         self._trained_groups: int | None = None
+        self._overlong: float | None = None
+
+    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
+        self.max_new_tokens = int(loop.config.max_new_tokens)
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+            raise ValueError(
+                f"DAPO: overlong_buffer={self.overlong_buffer} exceeds model.rollout.max_new_tokens="
+                f"{self.max_new_tokens} (L_cache <= L_max); lower it"
+            )
+
+    def shape_rewards(self, text_rewards: Tensor, record: LMRecord) -> Tensor | None:
+        if self.overlong_buffer is None:
+            return None
+        if self.max_new_tokens is None:
+            raise RuntimeError("DAPO's overlong shaping reads max_new_tokens at bind(): bind the algorithm first")
+        lengths = record.gen_mask.sum(1).cpu()
+        penalty = overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty_factor)
+        self._overlong = float(penalty.mean()) if len(penalty) else 0.0
+        rows = record.rows.to(text_rewards.device)
+        return text_rewards.index_add(0, rows, penalty.to(text_rewards.device, text_rewards.dtype))
 
     def train_groups(self, text_rewards: Tensor, groups: Tensor) -> Tensor | None:
         if not self.dynamic_sampling:
@@ -116,4 +170,6 @@ class DAPO(TokenGRPO):
         metrics = super().metrics(name, record)
         if self._trained_groups is not None:
             metrics[f"{name}/train_groups"] = float(self._trained_groups)
+        if self._overlong is not None:
+            metrics[f"{name}/overlong_penalty"] = self._overlong
         return metrics

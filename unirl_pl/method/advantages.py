@@ -91,6 +91,25 @@ def drop_rewards(rewards: Tensor, layout: GroupLayout, p: int, groups: Tensor) -
     return images, text_rewards, dropped
 
 
+def text_advantages(
+    text_rewards: Tensor,
+    layout: GroupLayout,
+    p: int,
+    config: AdvantageConfig,
+    batch_std: Callable[[Tensor], Tensor | None],
+    dropped: Tensor,
+) -> Tensor:
+    """The LM's (P*K,) advantages from its text samples' rewards, grouped by prompt; exactly 0 for a text none
+    of whose images was kept (``dropped``: the (P*K*M,) dropped images of :func:`compute_advantages`)."""
+    # Exact zeros: the group means of filled values agree with them only up to rounding.
+    text_dropped = dropped.view(-1, layout.images_per_refinement).all(1)
+    std = batch_std(text_rewards) if config.global_std else None
+    advantages = group_advantages(
+        text_rewards, layout.text_prompt(p), batch_std=std, global_std=config.global_std, clip_max=config.clip_max
+    )
+    return advantages.masked_fill(text_dropped, 0.0)
+
+
 def compute_advantages(
     rewards: Tensor,
     layout: GroupLayout,
@@ -115,11 +134,8 @@ def compute_advantages(
     text_rewards = rewards.view(-1, m).mean(1)
     if drop_nonfinite and not bool(torch.isfinite(rewards).all()):
         rewards, text_rewards, dropped = drop_rewards(rewards, layout, p, groups)
-    # Exact zeros: the group means of filled values agree with them only up to rounding.
-    text_dropped = dropped.view(-1, m).all(1)
+    text_adv = text_advantages(text_rewards, layout, p, config, batch_std, dropped)
     kwargs = {"global_std": config.global_std, "clip_max": config.clip_max}
-    std = batch_std(text_rewards) if config.global_std else None
-    text_adv = group_advantages(text_rewards, prompt_of_text, batch_std=std, **kwargs).masked_fill(text_dropped, 0.0)
     if config.scheme == "shared" and m == 1:
         # PromptRL: literally one advantage per sample for both experts.
         return text_rewards, text_adv, text_adv, dropped

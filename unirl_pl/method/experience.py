@@ -21,7 +21,7 @@ from unirl_pl.data import PromptBatch
 from unirl_pl.experts.chat import fallback_fraction
 from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
 from unirl_pl.losses import zero_std_fraction
-from unirl_pl.method.advantages import AdvantageConfig, compute_advantages
+from unirl_pl.method.advantages import AdvantageConfig, compute_advantages, text_advantages
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
 from unirl_pl.rewards.builtin import term_stats
@@ -48,6 +48,9 @@ class ExperienceSource:
             them reach the loss (whose non-finite value then skips the step).
         refiner_groups: Which prompt groups the refiner trains on, from every text sample's reward and
             group (its algorithm's ``train_groups``; None: all).
+        refiner_rewards: The rewards the refiner's advantages come from, from every text sample's reward and
+            the refiner's record (its algorithm's ``shape_rewards``: DAPO's overlong penalty; None, or a None
+            result: the reward). The generator's advantages never see them.
     """
 
     ar_decode: ARDecode | None
@@ -61,6 +64,7 @@ class ExperienceSource:
     batch_std: Callable[[Tensor], Tensor | None]
     drop_nonfinite: bool = False
     refiner_groups: Callable[[Tensor, Tensor], Tensor | None] | None = None
+    refiner_rewards: Callable[[Tensor, LMRecord], Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         # Remote reward terms are scored while the rest of the batch decodes (rewards/overlap.py). Read
@@ -161,6 +165,11 @@ class ExperienceSource:
             )
         advantages = {"diffusion_denoise": image_adv.to(device)}
         if rows:
+            shaped = None
+            if self.refiner_rewards is not None and lm_record is not None:
+                shaped = self.refiner_rewards(text_rewards, lm_record)
+            if shaped is not None:  # the refiner's own advantages; image_adv (maybe the same tensor) is kept
+                text_adv = text_advantages(shaped, layout, p, self.advantages, self.batch_std, dropped)
             advantages["ar_decode"] = text_adv[rows].to(device)
         records: dict = {}
         if lm_record is not None and self.trained.get("ar_decode"):

@@ -52,9 +52,7 @@ def load_experts(
     llm = CausalLMExpert(pretrained_path=str(root / "refiner")) if with_refiner else None
     if llm is not None:
         llm.build()
-    config = RolloutConfig(
-        num_steps=num_steps, guidance_scale=guidance_scale, max_new_tokens=16, shift=shift
-    )
+    config = RolloutConfig(num_steps=num_steps, guidance_scale=guidance_scale, max_new_tokens=16, shift=shift)
     ar = ARDecode(llm, config) if llm is not None else None
     return ShapesExperts(generator, llm, DiffusionDenoise(generator, config), ar)
 
