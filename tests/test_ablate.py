@@ -484,3 +484,16 @@ def test_report_only_rebuilds_the_reports_from_the_runs_on_disk(tmp_path, capsys
     assert "| prompt_only | – |" in text and "Failed runs" not in text
     assert [r["train_cpu_s"] for r in csv.DictReader((out / "cost.csv").open())] == ["10.0", "20.0", "10.0", "20.0"]
     assert ablate_main([*args, "--extra-val", "--report-only", "--seeds", "7"]) == 1, "nothing on disk"
+
+
+def test_vary_overlay_takes_recipe_overlays_and_none(tmp_path):
+    overlay = str(ROOT / "recipes" / "overlays" / "two_updates_ema.yaml")
+    arms = build_arms([("overlay", ("none", overlay))], JOINT)
+    assert [(a.label, a.configs, a.overrides) for a in arms] == [
+        ("none", (), ()),
+        ("two_updates_ema", (overlay,), ()),
+    ], "none is the recipe as is; a path is an extra --config"
+    with pytest.raises(ValueError, match="overlay"):
+        build_arms([("overlay", ("none", str(tmp_path / "missing.yaml")))], JOINT)
+    with pytest.raises(ValueError, match="overlay"):
+        build_arms([("overlay", ("trainer.max_steps=3",))], JOINT)

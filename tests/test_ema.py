@@ -403,3 +403,19 @@ def test_validate_from_a_checkpoint_scores_its_ema(full, tmp_path):
     assert probe.during and all(is_ema for _, is_ema, _ in probe.during), "and validation scored it"
     trained = EMA().trainable(full.cli.model)
     assert all(torch.equal(p, trained[k]) for k, p in ema.trainable(cli.model).items()), "then the weights are back"
+
+
+def test_the_module_hands_its_ema_to_the_trainer_and_an_overlay_switches_it_on():
+    from tests.helpers import JOINT, ROOT
+    from unirl_pl.callbacks import EMA
+    from unirl_pl.cli import main
+
+    quiet = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
+    plain = main(["--config", JOINT, *quiet], run=False).model
+    assert plain.ema is None and plain.configure_callbacks() == []
+    overlay = str(ROOT / "recipes" / "overlays" / "two_updates_ema.yaml")
+    model = main(["--config", JOINT, "--config", overlay, *quiet], run=False).model
+    (ema,) = model.configure_callbacks()
+    assert isinstance(ema, EMA) and ema is model.ema and (ema.decay, ema.every_n_steps) == (0.9, 1)
+    assert model.losses["llm"].mini_batches == 2 and model.losses["transformer"].mini_batches == 2
+    assert model.losses["transformer"].clip_eps == 1e-4, "the overlay changes only what it names"

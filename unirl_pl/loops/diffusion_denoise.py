@@ -256,7 +256,7 @@ class DiffusionDenoise:
                     assert x0_prev is not None
                     x0 = flow_x0(xs, v, s)
                     prev = x0_prev if rows is None else x0_prev.index_select(0, rows)
-                    x_next = dpm_solver_2m_step(xs, x0, s, s_next, prev, sig[live, i])
+                    x_next = dpm_solver_2m_step(xs, x0, s, s_next, prev, sig[live, i - 1])
                     x0_prev = x0 if rows is None else x0_prev.index_copy(0, rows, x0)
                 elif not picked:
                     x_next = ode_step(xs, v, s, s_next)
