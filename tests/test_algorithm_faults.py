@@ -186,7 +186,7 @@ def test_mix_grpo_flash_post_window_trajectory_is_diffusers_dpm_solver_2m():
 
 
 def _nft_reference(v, v_old, xt, x0, t, r, beta, clip_max):
-    """DiffusionNFT's policy loss in float64, as NVlabs/DiffusionNFT's scripts/train_nft_sd3.py (lines 926-960
+    """DiffusionNFT's policy loss in float64, as NVlabs/DiffusionNFT's scripts/train_nft_sd3.py (lines 934-960
     at commit 24af5554898d85e93efa492f42b5e9cdf4156e9b): implicit positive ``beta v + (1 - beta) v_old`` and
     negative ``(1 + beta) v_old - beta v`` policies, each predicting ``x0 = xt - t v``; each sample's squared
     error divided by its own mean absolute error (``mean`` over the non-batch dims, ``keepdim``, floored at
@@ -333,18 +333,20 @@ def _reference_sigmas(folder: Path, num_steps: int, image_seq_len: int, default_
     return scheduler.sigmas.to(torch.float64)
 
 
-@pytest.mark.parametrize("family", ["sd3", "flux"])
+@pytest.mark.parametrize("family", ["sd3", "sd3_unset_max_shift", "flux"])
 def test_dynamic_shift_of_a_non_square_image_counts_height_times_width(family, tmp_path):
     """A 512 x 1024 image (and 1024 x 512): ``image_seq_len = (H / 8 / 2) (W / 8 / 2) = 2048`` tokens, so both
     orientations sample on the pipeline's schedule for 2048 tokens, which is neither the 512 x 512 one (1024
-    tokens) nor the 1024 x 1024 one (4096)."""
+    tokens) nor the 1024 x 1024 one (4096). A scheduler config without ``max_shift`` gets the scheduler class's
+    default (1.15), which is what ``StableDiffusion3Pipeline`` reads off its scheduler's config."""
     from unirl_pl.generators.flux import FluxGenerator
     from unirl_pl.generators.sd3 import SD3Generator
 
-    if family == "sd3":
+    if family.startswith("sd3"):
         cls, default_max_shift = SD3Generator, 1.16
+        scheduler = DYNAMIC if family == "sd3" else {k: v for k, v in DYNAMIC.items() if k != "max_shift"}
         folder = _pipeline_folder(
-            tmp_path / "sd3", "StableDiffusion3Pipeline", "SD3Transformer2DModel", DYNAMIC,
+            tmp_path / "sd3", "StableDiffusion3Pipeline", "SD3Transformer2DModel", scheduler,
             {"patch_size": 2, "in_channels": 16},
         )  # fmt: skip
     else:

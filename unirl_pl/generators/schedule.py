@@ -155,8 +155,11 @@ def pipeline_schedule(
         config = {**config, "_class_name": entry[1]}
     if shift is not None:
         config, _ = shifted_config(config, shift)
-    kwargs = schedule_kwargs(num_steps, config)
-    sigmas = scheduler_sigmas(scheduler_from_config(config), num_steps, **kwargs)
+    # The pipeline reads its scheduler's config with the class defaults filled in: an unset max_shift is
+    # FlowMatchEulerDiscreteScheduler's 1.15, not StableDiffusion3Pipeline's fallback 1.16.
+    scheduler = scheduler_from_config(config)
+    kwargs = schedule_kwargs(num_steps, dict(scheduler.config))
+    sigmas = scheduler_sigmas(scheduler, num_steps, **kwargs)
     keys = ("shift", "flow_shift", "use_dynamic_shifting", "shift_terminal")
     details = {"scheduler": config.get("_class_name"), **{k: config[k] for k in keys if config.get(k) is not None}}
     if kwargs.get("mu") is not None:
