@@ -538,6 +538,12 @@ def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
         "diffusion_nft": ("generator_algorithm", DiffusionNFT),
         "dapo": ("llm_algorithm", DAPO),
         "gspo": ("llm_algorithm", GSPO),
+        # As each reference publishes it (tests/test_published_overlays.py checks their values row for row).
+        "flow_grpo_published": ("generator_algorithm", FlowGRPO),
+        "flow_grpo_fast_published": ("generator_algorithm", FlowGRPOFast),
+        "diffusion_nft_published": ("generator_algorithm", DiffusionNFT),
+        "dapo_published": ("llm_algorithm", DAPO),
+        "gspo_published": ("llm_algorithm", GSPO),
     }
     assert {p.stem for p in Path(OVERLAYS).glob("*.yaml")} == set(expected)
     for name, (key, cls) in expected.items():
@@ -552,8 +558,11 @@ def test_every_overlay_names_its_algorithm_and_applies_to_the_main_recipe():
     }
     for name, model in models.items():
         assert type(getattr(model, expected[name][0])) is expected[name][1], name
-        assert model.losses["transformer"].clip_eps == 1e-4 and model.generator_algorithm.sde_window == (0, 4), name
-        assert model.rollout_config.shared_start_noise and model.losses["llm"].clip_eps == 0.2
+        assert model.losses["transformer"].clip_eps == 1e-4 and model.losses["llm"].clip_eps == 0.2, name
+    # gspo keeps the main recipe's generator (its CPS window, a group's shared start noise); DiffusionNFT draws
+    # each sample's own start noise, as its reference does (it refuses a shared one).
+    assert models["gspo"].generator_algorithm.sde_window == (0, 4) and models["gspo"].rollout_config.shared_start_noise
+    assert not models["diffusion_nft"].rollout_config.shared_start_noise
     # gspo leaves the generator's KL weight alone; diffusion_nft sets its own.
     assert (
         models["gspo"].losses["transformer"].beta == 0.004

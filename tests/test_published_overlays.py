@@ -28,7 +28,13 @@ from unirl_pl.method.advantages import compute_advantages
 
 OVERLAYS = ROOT / "recipes" / "algorithms"
 QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]"]
-PUBLISHED = ("flow_grpo_published", "flow_grpo_fast_published", "diffusion_nft_published", "dapo_published", "gspo_published")
+PUBLISHED = (
+    "flow_grpo_published",
+    "flow_grpo_fast_published",
+    "diffusion_nft_published",
+    "dapo_published",
+    "gspo_published",
+)
 
 
 @cache

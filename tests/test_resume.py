@@ -43,7 +43,9 @@ ALGORITHMS = {
     "mix_grpo_flash+dapo": (
         f"--config={OVERLAYS / 'mix_grpo_flash.yaml'}",
         f"--config={OVERLAYS / 'dapo.yaml'}",
+        # A one-step window moves every step (max start 4 - 2 - 1 = 1): the position must resume too.
         "--model.generator_algorithm.init_args.steps_per_window=1",
+        "--model.generator_algorithm.init_args.window_size=1",
     ),
     # Two optimizer steps per rollout for each expert: the seeded split must replay after a resume.
     "flow_grpo_fast+gspo+mini_batches": (

@@ -195,6 +195,57 @@ def trim_frozen(state_dict: dict[str, Any], module: torch.nn.Module) -> tuple[di
     return kept, dropped
 
 
+def trainable_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The full (unsharded) CPU copies of what a checkpoint keeps of ``model`` (:func:`trim_frozen`'s keys:
+    every trainable parameter and every LoRA tensor, plus the buffers), gathered without the frozen base
+    weights: on rank 0 the tensors, on the other ranks ``{}``. Every rank must call it (the gathers are
+    collectives, run in the same order everywhere).
+
+    ``get_model_state_dict`` with ``ignore_frozen_params`` drops the frozen parameters before it gathers
+    anything; a frozen expert's adapter (frozen LoRA, which :func:`trim_frozen` keeps) is gathered after it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    for name, param in model.named_parameters():
+        if param.requires_grad or "lora_" not in name:
+            continue
+        value = param.detach()
+        if hasattr(value, "full_tensor"):  # a DTensor shard: every rank joins the gather
+            value = value.full_tensor()
+        if rank0:
+            state[name] = value.to("cpu", copy=True)
+    return state
+
+
+def gather_trainable_on_save(strategy: Any) -> bool:
+    """Make an FSDP2 strategy's full-checkpoint save gather only what :func:`save_run_state` keeps.
+
+    Lightning's ``ModelParallelStrategy`` (with ``save_distributed_checkpoint=False``) collects the model with
+    ``get_model_state_dict(full_state_dict=True)``: every frozen base weight is all-gathered and copied to rank
+    0's host (Wan2.2 A14B: both 14B experts, about 57 GB) before ``on_save_checkpoint`` trims them away. This
+    replaces the strategy's collection with :func:`trainable_state_dict`, so the file is the same and only the
+    trained tensors travel. Other strategies (and distributed checkpoints, whose loader reads every key back
+    from the shards) are left alone. Returns whether the strategy now gathers trainable tensors only.
+    """
+    from types import MethodType
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy) or strategy._save_distributed_checkpoint:
+        return False
+
+    def lightning_module_state_dict(self: ModelParallelStrategy) -> dict[str, Any]:
+        assert self.model is not None
+        return trainable_state_dict(self.model)
+
+    strategy.lightning_module_state_dict = MethodType(lightning_module_state_dict, strategy)
+    return True
+
+
 def refill_trimmed(checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
     """Put the freshly built values of the keys :func:`trim_frozen` dropped back into ``checkpoint``.
 
@@ -283,7 +334,15 @@ def save_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
     checkpoint["unirl_algorithms"] = {
         role: {"class": _qualname(alg), "state": alg.state_dict()} for role, alg in module.algorithms().items()
     }
-    checkpoint["state_dict"], checkpoint[TRIMMED_KEY] = trim_frozen(checkpoint["state_dict"], module)
+    state = checkpoint["state_dict"]
+    # An FSDP2 save (gather_trainable_on_save) never gathered the frozen base weights: they are trimmed too.
+    left_out = [
+        name
+        for name, p in module.named_parameters()
+        if state and not p.requires_grad and "lora_" not in name and name not in state
+    ]
+    checkpoint["state_dict"], dropped = trim_frozen(state, module)
+    checkpoint[TRIMMED_KEY] = left_out + dropped
 
 
 def load_run_state(module: Any, checkpoint: dict[str, Any]) -> None:

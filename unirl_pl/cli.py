@@ -40,7 +40,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from unirl_pl.callbacks.run_checkpoint import RunCheckpoint
-from unirl_pl.checkpoint import AtomicCheckpointIO
+from unirl_pl.checkpoint import AtomicCheckpointIO, gather_trainable_on_save
 from unirl_pl.commands import PROG, run_before_lightning
 from unirl_pl.errors import InputError
 from unirl_pl.option_hints import option_homes, refused_option
@@ -192,6 +192,8 @@ class UniRLCLI(LightningCLI):
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # A crash while writing must leave the previous checkpoint usable; a user-chosen IO is kept.
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
+        # FSDP2: a checkpoint gathers the trained (LoRA) tensors only, not the frozen base weights it drops.
+        gather_trainable_on_save(trainer.strategy)
         if self.subcommand not in (None, "fit"):
             # config.yaml describes a run; without a logger it would land in the current directory.
             trainer.callbacks = [c for c in trainer.callbacks if not isinstance(c, SaveConfigCallback)]
