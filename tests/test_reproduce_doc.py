@@ -32,7 +32,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
 }
 _NAMES = "|".join(re.escape(name) for name in sorted(REFERENCES, key=len, reverse=True))
 # "as Flow-GRPO ...", "as in MixGRPO", "as DiffusionNFT's ..."; "Flow-GRPO-Fast as published".
-CLAIM = re.compile(rf"\bas (?:in )?({_NAMES})(?![\w.])|\b({_NAMES})[\w-]* as published\b")
+CLAIM = re.compile(rf"\b[Aa]s (?:in )?({_NAMES})(?!\w)|\b({_NAMES})[\w-]* as published\b")
 COMMIT = re.compile(r"(?<![0-9A-Za-z])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![0-9A-Za-z])")
 HEADING = re.compile(r"^(#{2,6})\s+(.*)$")
 
@@ -126,6 +126,8 @@ def test_claim_pattern() -> None:
     assert CLAIM.search("# as Flow-GRPO decodes FLUX").group(1) == "Flow-GRPO"
     assert CLAIM.search("# Flow-GRPO-Fast as published (yifan123)").group(2) == "Flow-GRPO"
     assert CLAIM.search("# 4.0 and 3.0, as Wan2.2 samples").group(1) == "Wan2.2"
+    assert CLAIM.search("# As Flow-GRPO's `general_ocr_sd3`").group(1) == "Flow-GRPO"
+    assert CLAIM.search("# decodes FLUX in float32, as Flow-GRPO.").group(1) == "Flow-GRPO"
     assert CLAIM.search("# as WanPipeline does") is None
     assert CLAIM.search("# differs from Flow-GRPO in KL (docs/reproduce.md)") is None
     assert COMMIT.search("config/grpo.py @54809b5") and COMMIT.search("e2e729f438668f6f")
