@@ -229,7 +229,10 @@ def test_config_error_is_one_short_message_and_exit_2(tmp_path):
             "'lora_rank' is accepted at: --model.llm.init_args.lora_rank, "
             "--model.generator.init_args.transformer.init_args.lora_rank",
         ),
-        ("--model.num_steps=3", "'num_steps' is accepted at: --model.rollout.num_steps"),
+        (
+            "--model.num_steps=3",
+            "'num_steps' is accepted at: --model.rollout.num_steps, --model.eval_sampler.num_steps",
+        ),
         ("--data.prompts_per_stepp=3", "did you mean: --data.prompts_per_step"),
         # A prefix of a real option: argparse's abbreviations would have taken it for --trainer.max_steps.
         ("--trainer.max_step=3", "did you mean: --trainer.max_steps, --trainer.max_time"),
