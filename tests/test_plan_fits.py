@@ -4,7 +4,8 @@ models and divides the step over the ranks.
 - Per-rank sizes: ``step_sizes`` gives each rank ``1 / devices`` of the step (prompts, texts, refined rows,
   images), so a planner that planned every rank with the whole step fails here (fast).
 - Reward models: PickScore's CLIP ViT-H/14 is built at its published size on the trainer's device; OCR
-  (RapidOCR on onnxruntime) and the text rules hold nothing there (fast).
+  (RapidOCR on onnxruntime) and the text rules hold nothing there; the reward phase's fake trace equals
+  PickScore itself scoring real images with a tiny CLIP folder (fast).
 - Fits: each shipped GPU recipe (``recipes/*.yaml`` with ``trainer.accelerator: gpu`` and a family
   generator) is planned at its own micro-batch and checkpointing (``--no-search``: one trace of the step)
   with the GPU its comments name ("one 80 GB GPU", "8 x 80 GB") and the plan command they give (Wan2.2's
@@ -132,6 +133,54 @@ def test_plan_counts_the_in_process_reward_models():
     assert not moved.on_device
 
 
+def test_reward_phase_trace_matches_the_reward_on_real_tensors(tmp_path):
+    """The plan's reward phase (a fake CLIP, the host processor stood in for) tracks the same bytes, within
+    10%, as PickScore itself scoring real images with a real tiny CLIP folder and its processor."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
+
+    from tests.pipelines import clip_tokenizer
+    from unirl_pl.plan.rewards import reward_models, score
+    from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker
+    from unirl_pl.rewards.clip_models import PickScore
+
+    tok, size = clip_tokenizer(), 32
+    common = {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2}
+    text = common | {"vocab_size": len(tok), "max_position_embeddings": 77, "eos_token_id": tok.eos_token_id}
+    text |= {"bos_token_id": tok.bos_token_id, "pad_token_id": tok.pad_token_id}
+    vision = common | {"image_size": size, "patch_size": 8}
+    torch.manual_seed(0)
+    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(tmp_path)
+    image = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    CLIPProcessor(image_processor=image, tokenizer=tok).save_pretrained(tmp_path)
+    args = {"pretrained_path": str(tmp_path), "processor_path": str(tmp_path), "batch_size": 4}
+    prompts = ["a red cat"] * 5 + ["a blue dog"] * 5
+
+    real = PickScore(**args)
+    images = torch.rand(10, 3, 64, 64)
+    tracker = PlanMemTracker()
+    tracker.track_external(real.model, images)
+    with tracker:
+        real.score_images(images, prompts)
+    expected = tracker.peak()
+
+    mode = FakeTensorMode()
+    planned = planned_rewards({"pickscore": args}, mode)
+    with mode, AllRowsReal():
+        images = torch.zeros(10, 3, 64, 64)
+        tracker = PlanMemTracker()
+        tracker.track_external(*reward_models(planned), images)
+        with tracker:
+            score(planned, images, prompts)
+    traced = tracker.peak()
+    assert traced.weights == expected.weights == planned[0].weight_bytes
+    assert abs(traced.total - expected.total) <= 0.10 * expected.total, (traced, expected)
+    # The scoring's own bytes (activations, pixel copies), without the model and the images both sides hold.
+    own = [u.activations + u.temporaries for u in (traced, expected)]
+    assert abs(own[0] - own[1]) <= 0.10 * own[1], (traced, expected)
+
+
 def test_every_gpu_recipe_names_its_gpu_and_is_planned_here():
     """The shipped GPU recipes are all found and each names the GPU (and count) the plan checks it against."""
     found = gpu_recipes()
@@ -158,7 +207,7 @@ def test_recipe_fits_the_gpu_it_names(name):
     candidate = plan.recipe_candidate
     over = {phase: round(u.total / GiB, 1) for phase, u in candidate.phases.items() if u.total > plan.budget}
     phase, peak = candidate.peak
-    print(f"{name}: peak {peak.total / GiB:.1f} GiB in {phase} of {plan.budget / GiB:.0f} GiB, planned in {seconds:.0f} s")
+    print(f"{name}: peak {peak.total / GiB:.1f} GiB in {phase}, budget {plan.budget / GiB:.0f} GiB, {seconds:.0f} s")
     assert not over, f"recipes/{name}.yaml does not fit {devices} x {gb:.0f} GB: over budget (GiB) {over}"
     on_device = [t for t in plan.rewards if t.on_device]
     if on_device:

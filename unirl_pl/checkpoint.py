@@ -6,8 +6,9 @@ so the target path either holds the previous complete checkpoint or the new comp
 frozen base weights of every expert are rebuilt deterministically by ``configure_model`` (seeded
 init or ``pretrained_path``), so checkpoints keep only trainable and LoRA tensors; on load the
 trimmed keys are refilled from the freshly built model so strict loading still catches real
-mismatches. Rollout randomness is a pure function of (seed, request id, sample), but the global
-RNGs are saved and restored too so user code that draws from them resumes exactly.
+mismatches; under FSDP2 the frozen weights are not even gathered (:func:`gather_trainable_on_save`).
+Rollout randomness is a pure function of (seed, request id, sample), but the global RNGs are saved
+and restored too so user code that draws from them resumes exactly.
 """
 
 from __future__ import annotations

@@ -46,6 +46,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=128, help="tokens of one refiner request (default 128)")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     p.add_argument("--quiet", action="store_true", help="no per-trace progress lines")
+    p.add_argument(
+        "--no-search",
+        action="store_true",
+        help="trace the recipe's own micro_batch_size and checkpointing only (does it fit?), not the largest that fits",
+    )
     return p
 
 
@@ -95,6 +100,7 @@ def run(argv: list[str]) -> Plan:
             llm_path=args.llm_path,
             prompt_tokens=args.prompt_tokens,
             log=log,
+            search=not args.no_search,
         )
     print_plan(plan)
     if args.json:

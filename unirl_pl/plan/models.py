@@ -161,6 +161,8 @@ class FakeExperts:
         llm_folder: Where the LM's config came from.
         resident: Further models kept in memory but not traced (Wan2.2's second expert when the
             generator does not hold it).
+        reward_models: The reward terms' models on the device (PickScore's CLIP; see
+            :mod:`unirl_pl.plan.rewards`), frozen and resident through the whole step.
     """
 
     generator: FlowGenerator
@@ -169,10 +171,13 @@ class FakeExperts:
     pipeline_folder: Path
     llm_folder: Path | None
     resident: list[torch.nn.Module] = field(default_factory=list)
+    reward_models: list[torch.nn.Module] = field(default_factory=list)
 
     def modules(self) -> list[torch.nn.Module]:
-        """Every model on the device: the generator (and what it holds), the LM, the extra residents."""
-        return [self.generator, *([self.llm] if self.llm is not None else []), *self.resident]
+        """Every model on the device: the generator (and what it holds), the LM, the extra residents, the
+        reward models."""
+        llm = [self.llm] if self.llm is not None else []
+        return [self.generator, *llm, *self.resident, *self.reward_models]
 
     def transformers(self) -> list[torch.nn.Module]:
         """The generator's LoRA-adapted transformers (Wan2.2 A14B: both experts)."""

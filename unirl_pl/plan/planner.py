@@ -18,7 +18,7 @@ training order are :mod:`unirl_pl.plan.step`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -42,6 +42,7 @@ from unirl_pl.plan.models import (
     resolve_folder,
 )
 from unirl_pl.plan.recipe import StepRecipe
+from unirl_pl.plan.rewards import PlannedReward, planned_rewards, reward_models, score
 from unirl_pl.plan.search import Candidate, MicroBatchSearch
 from unirl_pl.plan.step import PHASE_NOTES, PHASES, StepSizes, Tracer, experience, step_sizes, train_step
 from unirl_pl.plan.tracker import AllRowsReal
@@ -66,6 +67,8 @@ class Plan:
         held_lm_graph: Bytes the refiner's loss leaves held through the DiT update (joint mode): its whole
             graph, or only its gradients when it is backpropagated per micro-batch.
         lm_micro_batch: The recipe's ``rollout.lm_micro_batch_size`` (None: the refiner's loss in one batch).
+        rewards: The recipe's reward terms as the plan counts them (a model on the device, or where they score).
+        searched: Whether the largest fitting micro-batches were searched (else only the recipe's setting).
         notes: What the trace approximates or assumes.
         seconds: Wall time of the whole plan.
     """
@@ -81,6 +84,8 @@ class Plan:
     largest: dict[bool, int | None] = field(default_factory=dict)
     held_lm_graph: int = 0
     lm_micro_batch: int | None = None
+    rewards: list[PlannedReward] = field(default_factory=list)
+    searched: bool = True
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -104,7 +109,8 @@ class Plan:
 
     @property
     def needs_checkpointing(self) -> bool | None:
-        """Whether only gradient checkpointing makes some micro-batch fit (None: nothing fits either way)."""
+        """Whether only gradient checkpointing makes some micro-batch fit (None: nothing fits either way, or
+        not searched)."""
         if self.largest.get(False) is not None:
             return False
         return True if self.largest.get(True) is not None else None
@@ -196,13 +202,17 @@ def plan_step(
     prompt_tokens: int = 128,
     log: Callable[[str], None] = print,
     real: bool = False,
+    search: bool = True,
 ) -> Plan:
     """Trace ``recipe``'s step on fake tensors and search the micro-batch and checkpointing that fit in
     ``budget`` bytes per device; returns the :class:`Plan`. ``real`` runs the same code on the experts
-    loaded with their weights and real tensors (small folders only): the check of the fake trace."""
+    loaded with their weights and real tensors (small folders only): the check of the fake trace. Without
+    ``search`` only the recipe's own setting is traced (whether it fits, in a fraction of the time)."""
     start = time.monotonic()
     mode = None if real else FakeTensorMode()
     experts = build_experts(recipe, pipeline_path, llm_path, mode)
+    rewards = planned_rewards(recipe.rewards, mode)
+    experts.reward_models = reward_models(rewards)
     card = Card.unified(has_llm=experts.llm is not None, has_vae=True)
     trained = card.trained_components(recipe.mode)
     refines = experts.llm is not None and card.runs_loop(recipe.mode, "ar_decode")
@@ -221,6 +231,8 @@ def plan_step(
         },
         recipe_setting=(recipe_mb, recipe.gradient_checkpointing),
         lm_micro_batch=recipe.rollout.lm_micro_batch_size,
+        rewards=rewards,
+        searched=search,
     )
     result.notes += [
         f"refiner requests of {prompt_tokens} prompt tokens (--prompt-tokens) and {sizes.new_tokens} generated "
@@ -234,6 +246,11 @@ def plan_step(
         result.notes.append(
             f"{len(experts.resident) + 1} generator experts resident with their LoRA state; one traces the step"
         )
+    if experts.reward_models:
+        result.notes.append(
+            "the reward phase holds the step's experience with its images; an image processor on the host is "
+            "traced as its 8-bit input copy and float32 output on the device"
+        )
     freeze_untrained(experts, trained)
     tensors = mode if mode is not None else nullcontext()
     if sharded and mode is None:
@@ -245,19 +262,25 @@ def plan_step(
         with tensors, AllRowsReal():
             optimizers, losses = steady_state(experts, recipe, trained)
             tracer = Tracer(experts, optimizers, losses, log)
-            fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained)
-            search = MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
-            result.candidates = search.candidates
-            search.trace(recipe_mb, recipe.gradient_checkpointing, rollout=True)
-            for checkpointing in (recipe.gradient_checkpointing, not recipe.gradient_checkpointing):
-                result.largest[checkpointing] = search.largest(budget, checkpointing, [recipe_mb])
-            result.held_lm_graph = search.held_lm_graph
+            fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained, rewards)
+            searcher = MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
+            result.candidates = searcher.candidates
+            searcher.trace(recipe_mb, recipe.gradient_checkpointing, rollout=True)
+            for checkpointing in (recipe.gradient_checkpointing, not recipe.gradient_checkpointing) if search else ():
+                result.largest[checkpointing] = searcher.largest(budget, checkpointing, [recipe_mb])
+            result.held_lm_graph = searcher.held_lm_graph
     result.seconds = time.monotonic() - start
     return result
 
 
 def _fixed_phases(
-    tracer: Tracer, experts: FakeExperts, recipe: StepRecipe, sizes: StepSizes, refines: bool, trained: list[str]
+    tracer: Tracer,
+    experts: FakeExperts,
+    recipe: StepRecipe,
+    sizes: StepSizes,
+    refines: bool,
+    trained: list[str],
+    rewards: Sequence[PlannedReward] = (),
 ) -> dict[str, Any]:
     """Trace the micro-batch-independent phases; returns their usages and the shapes later phases need."""
     generator = experts.generator
@@ -282,6 +305,15 @@ def _fixed_phases(
     found["usage"]["vae_decode"] = t.peak()
     found["pixel_row"] = tuple(pixels.shape[1:])
     del pixels
+    if any(term.on_device for term in rewards):
+        # Scoring, between the decode and the update: the decoded images (and the latents they came from)
+        # are held with the rest of the experience while every term scores them.
+        resident = experience(sizes, generator.latent_shape, cond_rows, found["pixel_row"], parts | {"images"})
+        per_prompt = max(1, sizes.images // max(1, sizes.prompts))  # each image is scored with its prompt
+        prompts = [f"prompt {i // per_prompt}" for i in range(sizes.images)]
+        with tracer.tracking("reward", resident) as t:
+            score(rewards, resident["images"], prompts)
+        found["usage"]["reward"] = t.peak()
     if "llm" in trained and "transformer" not in trained:
         # prompt_only: the refiner's update is the whole training step.
         resident = experience(sizes, generator.latent_shape, cond_rows, found["pixel_row"], parts | {"images"})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,7 @@ class StepRecipe:
         devices: Ranks (``trainer.devices``, or ``--devices``).
         fsdp: Whether the strategy shards the trained experts (``ModelParallelStrategy``).
         reshard_after_forward: FSDP2's choice after each block's forward.
+        rewards: The reward terms (``model.rewards``' names) with their ``model.reward_args``.
     """
 
     generator_class: type
@@ -126,6 +127,7 @@ class StepRecipe:
     devices: int
     fsdp: bool
     reshard_after_forward: bool
+    rewards: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -213,4 +215,14 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
         devices=world,
         fsdp="ModelParallelStrategy" in str(strategy_name),
         reshard_after_forward=bool(model.get("reshard_after_forward", True)),
+        rewards=_rewards(model),
     )
+
+
+def _rewards(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``model.rewards``' names, each with its ``model.reward_args`` (empty when it takes none)."""
+    weights = model.get("rewards") or {}
+    args = model.get("reward_args") or {}
+    if not isinstance(weights, dict) or not isinstance(args, dict):
+        raise RecipeError("model.rewards and model.reward_args must be mappings of reward names")
+    return {str(name): dict(args.get(name) or {}) for name in weights}

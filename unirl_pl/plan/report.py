@@ -102,6 +102,9 @@ def verdict_lines(plan: Plan) -> list[str]:
         largest = plan.largest[checkpointing]
         what = "nothing fits" if largest is None else f"largest micro_batch_size that fits: {largest}"
         lines.append(f"gradient checkpointing {'on' if checkpointing else 'off'}: {what}")
+    if not plan.searched:
+        lines.append("only the recipe's setting was traced (--no-search): no search of the largest micro-batch")
+        return lines
     needs = plan.needs_checkpointing
     if needs is None:
         lines.append(
@@ -131,13 +134,30 @@ def print_plan(plan: Plan, console: Console | None = None) -> None:
     if best is not None and (best.micro_batch, best.checkpointing) != (mb, ckpt):
         console.print(phase_table(plan, best, f"suggested: {_setting(best.micro_batch, best.checkpointing)} ({name})"))
     console.print(candidates_table(plan))
+    for line in reward_lines(plan):
+        console.print(line)
     for line in verdict_lines(plan):
         console.print(line)
+    traced = {name for c in plan.candidates for name in c.phases}
     for name, note in PHASE_NOTES.items():
-        console.print(f"  {name}: {note}", style="dim")
+        if name in traced:
+            console.print(f"  {name}: {note}", style="dim")
     for note in plan.notes:
         console.print(f"  note: {note}", style="dim")
     console.print(f"  traced in {plan.seconds:.0f} s", style="dim")
+
+
+def reward_lines(plan: Plan) -> list[str]:
+    """One line per reward term: its model on the device (weights, in every phase; the reward phase's peak),
+    or where it scores instead."""
+    lines = [term.line() for term in plan.rewards]
+    phase = plan.recipe_candidate.phases.get("reward")
+    if phase is not None:
+        lines.append(
+            f"reward phase at the recipe setting: peak {amount(phase.total, plan)} {unit(plan)[0]} "
+            f"({'fits' if phase.total <= plan.budget else 'over budget'})"
+        )
+    return lines
 
 
 def suggested(plan: Plan) -> Candidate | None:
@@ -174,6 +194,19 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         },
         "needs_gradient_checkpointing": plan.needs_checkpointing,
         "held_lm_graph_bytes": plan.held_lm_graph,
+        "rewards": [
+            {
+                "name": term.name,
+                "on_device": term.on_device,
+                "where": term.where,
+                "model": term.architecture or None,
+                "parameters": term.parameters,
+                "weight_bytes": term.weight_bytes,
+                "batch_size": term.batch_size or None,
+            }
+            for term in plan.rewards
+        ],
+        "searched": plan.searched,
         "suggested": None
         if best is None
         else {"micro_batch_size": best.micro_batch, "gradient_checkpointing": best.checkpointing},

@@ -219,8 +219,12 @@ def build_scorer(cls: type, kwargs: dict[str, Any], mode: FakeTensorMode | None)
     scorer.scale, scorer.clamp_negative = float(kwargs.get("scale", 1.0)), bool(kwargs.get("clamp_negative", False))
     if issubclass(cls, Aesthetic):
         with torch.device("meta"):
-            scorer.mlp = AestheticMLP(config.projection_dim).requires_grad_(False).eval()
-        modules.append(scorer.mlp)
+            mlp = AestheticMLP(config.projection_dim).requires_grad_(False).eval()
+        # ``score_images`` moves the head to the embeddings' device, where it already is: no copy to trace
+        # (and fake parameters cannot be swapped in place).
+        mlp.to = lambda *args, **kwargs: mlp  # type: ignore[method-assign]
+        scorer.mlp = mlp
+        modules.append(mlp)
     if not issubclass(cls, HPSv2):  # HPSv2 transforms the images on the device itself
         scorer.pixels = _host_pixels(scorer)  # type: ignore[method-assign]
     if mode is not None:
@@ -228,6 +232,8 @@ def build_scorer(cls: type, kwargs: dict[str, Any], mode: FakeTensorMode | None)
     else:
         for module in modules:
             module.to_empty(device="cpu")
+        for embeddings in (model.vision_model.embeddings, model.text_model.embeddings):
+            embeddings.position_ids.copy_(torch.arange(embeddings.position_ids.shape[-1]))  # the one index input
     return scorer, what
 
 

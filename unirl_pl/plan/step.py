@@ -25,14 +25,15 @@ from unirl_pl.plan.recipe import StepRecipe
 from unirl_pl.plan.tracker import PlanMemTracker
 from unirl_pl.versioning import FeatureCache, VersionLedger
 
-PHASES = ("lm_decode", "text_encode", "dit_rollout", "vae_decode", "dit_update", "lm_update")
-"""The phases of one step, in the order a step runs them."""
+PHASES = ("lm_decode", "text_encode", "dit_rollout", "vae_decode", "reward", "dit_update", "lm_update")
+"""The phases of one step, in the order a step runs them (``reward`` only with a reward model on the device)."""
 
 PHASE_NOTES = {
     "lm_decode": "refiner decode of every refined row: prefill, KV-cache steps, no grad",
     "text_encode": "the text encoders on one encode batch, no grad",
     "dit_rollout": "one SDE step of one rollout micro-batch (guided: 2x the rows), no grad",
     "vae_decode": "the VAE decode of the step's latents (one call, as the rollout makes it)",
+    "reward": "the in-process reward models scoring the step's images (batch_size images a forward), no grad",
     "dit_update": "one (step, micro-batch) recompute, its reference forward and backward",
     "lm_update": "the refiner's loss forward with its reference, backward, clipping, optimizer steps",
 }
@@ -212,7 +213,12 @@ def train_step(
     if lm_trained and experts.llm is not None and held_graph is None:
         loop = ARDecode(experts.llm, recipe.rollout)
         names = ("lm.ids", "lm.mask", "lm.gen_mask", "lm.old_logp")
-        record = phases.lm_record(*(resident[n] for n in names))
+        # Backpropagated per chunk, every chunk frees its graph before the next: a chunk peaks as the second
+        # does (plus the earlier chunks' detached log-probs, a few KiB), so two full chunks of the (resident,
+        # full-size) record are traced, not dozens of identical ones.
+        size = recipe.rollout.lm_micro_batch_size
+        rows = resident["lm.ids"].shape[0] if size is None else min(resident["lm.ids"].shape[0], 2 * size)
+        record = phases.lm_record(*(resident[n][:rows] for n in names))
         lm_out = phases.lm_loss_forward(
             recipe.llm_algorithm, loop, record, recipe.llm_loss, experts.llm.adapter_disabled, _backward
         )
