@@ -97,7 +97,7 @@ def test_there_are_recipes_to_check() -> None:
 @pytest.mark.parametrize("rel", recipe_files())
 def test_every_recipe_has_a_section_with_rows(doc: str, rel: str) -> None:
     lines = section_for(doc, rel)
-    assert lines is not None, f"docs/reproduce.md has no section heading naming `{rel}` (add `## `{rel}`` and its table)"
+    assert lines is not None, f"docs/reproduce.md has no section heading naming `{rel}` (add one and its table)"
     assert table_rows(lines)[1:], f"docs/reproduce.md's section for {rel} has no table rows"
 
 
