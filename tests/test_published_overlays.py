@@ -147,7 +147,7 @@ def test_flow_grpo_fast_published_windows_lie_in_the_first_half(num_steps):
 def test_flow_grpo_fast_tuned_overlay_keeps_its_range_and_step():
     algo = FlowGRPOFast(window_size=2, window_range=None, noise_level=0.7)  # recipes/algorithms/flow_grpo_fast.yaml
     assert algo.span(RolloutConfig(num_steps=10)) == (0, 9) and algo.kind == "sde" and FlowGRPOFast.kind == "sde"
-    with pytest.raises(ValueError, match="both set the range"):
+    with pytest.raises(ValueError, match="both set the window"):
         FlowGRPOFast(window_range=(0, 5), window_fraction=0.5)
     with pytest.raises(ValueError, match="must hold window_size"):
         FlowGRPOFast(window_size=3, window_fraction=0.5).span(RolloutConfig(num_steps=4))

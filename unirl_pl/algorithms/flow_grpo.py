@@ -24,6 +24,18 @@ DEFAULT_WINDOW = (0, 3)
 """The SDE window of a Flow-GRPO algorithm given neither ``sde_window`` nor ``timestep_fraction``."""
 
 
+def check_fraction(name: str, fraction: float | None, absolute: str, value: Any) -> None:
+    """A window given as a fraction of the schedule: in (0, 1], and not together with its absolute form."""
+    if fraction is None:
+        return
+    if value is not None:
+        raise ValueError(
+            f"{absolute} {tuple(value)} and {name} {fraction} both set the window; set one and the other to null"
+        )
+    if not 0 < fraction <= 1:
+        raise ValueError(f"{name} must be in (0, 1], got {fraction}")
+
+
 class FlowGRPO(GeneratorAlgorithm):
     """Flow-GRPO on an SDE window: the default generator algorithm.
 
@@ -55,14 +67,7 @@ class FlowGRPO(GeneratorAlgorithm):
         guard: bool = False,
         timestep_fraction: float | None = None,
     ) -> None:
-        if timestep_fraction is not None:
-            if sde_window is not None:
-                raise ValueError(
-                    f"{type(self).__name__}: sde_window {tuple(sde_window)} and timestep_fraction {timestep_fraction} "
-                    "both set the window; set one and the other to null"
-                )
-            if not 0 < timestep_fraction <= 1:
-                raise ValueError(f"timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        check_fraction("timestep_fraction", timestep_fraction, "sde_window", sde_window)
         start, end = (int(sde_window[0]), int(sde_window[1])) if sde_window is not None else DEFAULT_WINDOW
         if not 0 <= start < end:
             raise ValueError(f"sde_window {tuple(sde_window or ())} must satisfy 0 <= start < end")

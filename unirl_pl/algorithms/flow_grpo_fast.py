@@ -16,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from unirl_pl.algorithms.cps import check_cps
-from unirl_pl.algorithms.flow_grpo import FlowGRPO
+from unirl_pl.algorithms.flow_grpo import FlowGRPO, check_fraction
 from unirl_pl.loops.config import RolloutConfig, StepPlan
 from unirl_pl.seeding import sample_generators
 
@@ -59,14 +59,7 @@ class FlowGRPOFast(FlowGRPO):
             raise ValueError(f"window_size must be >= 1, got {window_size}")
         if window_range is not None and not 0 <= window_range[0] < window_range[0] + window_size <= window_range[1]:
             raise ValueError(f"window_range {window_range} must hold window_size={window_size} steps from >= 0")
-        if window_fraction is not None:
-            if window_range is not None:
-                raise ValueError(
-                    f"window_range {tuple(window_range)} and window_fraction {window_fraction} both set the range; "
-                    "set one and the other to null"
-                )
-            if not 0 < window_fraction <= 1:
-                raise ValueError(f"window_fraction must be in (0, 1], got {window_fraction}")
+        check_fraction("window_fraction", window_fraction, "window_range", window_range)
         self.window_size = window_size
         self.window_range = None if window_range is None else (int(window_range[0]), int(window_range[1]))
         self.window_fraction = None if window_fraction is None else float(window_fraction)
