@@ -350,7 +350,7 @@ class UniRLModule(pl.LightningModule):
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         assert self.policy is not None
         updates: dict[str, list[tuple[LossOutput, Tensor]]] = {name: [] for name in opts}
-        stepped: list[str] = []  # the experts whose first update was applied (not skipped)
+        stepped: list[str] = []  # the experts with an update applied this step (none when the step was skipped)
         reported = self._report_before_updates(exp, opts)
         first = True
         for epoch in range(self.ppo_epochs):
@@ -360,8 +360,10 @@ class UniRLModule(pl.LightningModule):
                 applied = self._update(exp, active, {n: splits[n][u] for n in active}, first, reported, updates)
                 if applied is None:  # not finite: the first update skips the step, a later one ends it
                     break
-                if applied and first:
-                    self.consecutive_skips, stepped, first = 0, applied, False
+                if applied:
+                    if first:
+                        self.consecutive_skips, first = 0, False
+                    stepped += [name for name in applied if name not in stepped]
             else:
                 continue
             break
