@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import TINY
+from tests.helpers import JOINT, TINY
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.loops import EvalSampler, RolloutConfig
@@ -42,3 +42,16 @@ def test_validation_samples_with_its_own_steps_and_rollout_with_the_rollouts(mon
     steps = model.rollout_config.num_steps
     calls = _velocity_calls(model, monkeypatch, lambda: model.source.collect(train, model.device))
     assert calls == steps, f"rollout keeps its {steps} steps"
+
+
+@pytest.mark.parametrize("key, value", [("noise_level", 0.7), ("sde_window", (0, 3))])
+def test_a_sampler_value_the_algorithm_owns_is_refused_on_the_rollout_naming_its_new_key(key, value):
+    with pytest.raises(ValueError, match=f"model.generator_algorithm.init_args.{key}"):
+        RolloutConfig(**{key: value})
+
+
+def test_the_main_recipe_has_one_place_for_each_sampler_value():
+    model = main(["--config", JOINT, *QUIET], run=False).model
+    algorithm = model.generator_algorithm
+    assert (algorithm.sde_window, algorithm.noise_level(model.rollout_config)) == ((0, 4), 0.8)
+    assert model.rollout_config.noise_level is None and model.rollout_config.sde_window is None
