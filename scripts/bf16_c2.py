@@ -65,7 +65,7 @@ def overrides(family: str, folder: Path, refiner: str, dtype: str, args: argpars
         f"--data.samples_per_prompt={args.samples}",
         "--data.num_skip_refinement=0",
         "--model.rollout.num_steps=4",
-        "--model.rollout.sde_window=[0,2]",
+        "--model.generator_algorithm.init_args.sde_window=[0,2]",
         "--model.rollout.max_new_tokens=12",
         f"--model.rollout.guidance_scale={cfg}",
     ]

@@ -30,6 +30,7 @@ def measure(window: int, per_step: bool) -> float:
     """Peak MiB above the pre-update resident set for one update over ``window`` SDE steps."""
     import torch
 
+    from unirl_pl.algorithms import FlowGRPO
     from unirl_pl.experts import FlowTransformerExpert
     from unirl_pl.loops import DiffusionDenoise, RolloutConfig
     from unirl_pl.method import ExpertLoss, dit_loss
@@ -46,7 +47,7 @@ def measure(window: int, per_step: bool) -> float:
         def velocity(self, x, sigma, cond):
             return expert.velocity(x, sigma, cond["hidden"], cond["pooled"])
 
-    loop = DiffusionDenoise(Generator(), RolloutConfig(num_steps=window, sde_window=(0, window)))
+    loop = DiffusionDenoise(Generator(), RolloutConfig(num_steps=window), FlowGRPO(sde_window=(0, window)))
     cond = {"hidden": torch.randn(BATCH, 24, 64), "pooled": torch.randn(BATCH, 64)}
     _, record = loop.sample(cond, list(range(BATCH)), [0] * BATCH, "rollout", seed=0)
     advantages = torch.randn(BATCH)

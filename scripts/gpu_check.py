@@ -158,7 +158,7 @@ def fit_command(
             f"--model.llm.init_args.dtype={args.dtype}",
             "--model.generator.init_args.max_sequence_length=16",
             "--model.rollout.num_steps=4",
-            f"--model.rollout.sde_window={TINY_WINDOWS.get(family, '[0,2]')}",
+            f"--model.generator_algorithm.init_args.sde_window={TINY_WINDOWS.get(family, '[0,2]')}",
             "--model.rollout.max_new_tokens=12",
             *TINY_SIZES[family],
         ]

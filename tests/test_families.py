@@ -80,7 +80,11 @@ def test_family_recipe_trains_two_steps_with_gates_green_and_predicts(tmp_path, 
     assert series(rows, "c2/transformer_frac_bitwise_equal") == [1.0, 1.0]
     assert series(rows, "parity/max_abs_diff"), "interleave parity ran"
     assert series(rows, "llm/fallback_frac"), "the instruct refiner logs its fallback rate"
-    assert cli.model.ledger["transformer"] == 2 and cli.model.ledger["llm"] == 2
+    # One version per optimizer step: the family recipes update the DiT twice per rollout (as Flow-GRPO).
+    updates = {name: cli.model.losses[name].mini_batches for name in ("transformer", "llm")}
+    assert updates["transformer"] == 2, "the recipe's two updates per rollout"
+    assert cli.model.ledger["transformer"] == 2 * updates["transformer"]
+    assert cli.model.ledger["llm"] == 2 * updates["llm"]
     schedule = json.loads((Path(cli.trainer.log_dir) / "schedule.json").read_text())
     assert schedule["sigmas"] == cli.model.generator.schedule(4).sigmas.tolist(), "the pipeline's own schedule"
     assert schedule["sde_steps"] == [0, 1] and "Scheduler(" in schedule["source"]

@@ -87,4 +87,4 @@ def test_recipe_runs_its_documented_cpu_block(tmp_path, tiny, name, term):
     )
     rows = read_metrics(cli)
     assert len(series(rows, f"reward/{term}")) == 2 and len(series(rows, f"reward/{term}_std")) == 2
-    assert cli.model.ledger["transformer"] == 2
+    assert cli.model.ledger["transformer"] == 2 * 2, "2 steps, 2 updates per rollout (as Flow-GRPO)"
