@@ -210,7 +210,11 @@ class DiffusionDenoise:
         post = plan.post_solver == "dpm2" and stochastic
         post_from = plan.starts[0] + plan.size if post else max(steps) + 1
         if post:
-            tails = {c: compress_tail(self.sigmas(c), post_from, plan.post_keep) for c in set(steps)}
+            # A request whose stochastic steps reach its last step has no tail to thin.
+            tails = {
+                c: compress_tail(self.sigmas(c), post_from, plan.post_keep) if post_from < c else self.sigmas(c)
+                for c in set(steps)
+            }
             table = torch.zeros(n, max(t.numel() for t in tails.values()), dtype=torch.float64)
             for i, count in enumerate(steps):
                 table[i, : tails[count].numel()] = tails[count]
