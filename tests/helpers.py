@@ -8,11 +8,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+from unirl_pl.algorithms import DAPO, GSPO, TokenGRPO
 from unirl_pl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.yaml")
 JOINT = str(ROOT / "recipes" / "joint.yaml")
+# The refiner algorithms by aggregation: token mean, mean over refinements, clip-higher, sequence ratio (GSPO's
+# clip widened so a chunk's ratios are not all clipped).
+REFINER_ALGORITHMS = {
+    "token_grpo": TokenGRPO(),
+    "sequence_mean": TokenGRPO(aggregation="sequence_mean"),
+    "dapo": DAPO(),
+    "gspo": GSPO(clip_eps_low=0.05, clip_eps_high=0.05),
+}
 
 
 def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: str = TINY, name: str = "run"):

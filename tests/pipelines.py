@@ -9,6 +9,7 @@ come from a fixed seed without disturbing the caller's RNG; every builder runs i
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -314,3 +315,25 @@ if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] not in builders:
         sys.exit(f"usage: python -m tests.pipelines {{{','.join(builders)}}} FOLDER")
     print(builders[sys.argv[1]](sys.argv[2]))
+
+
+def with_scheduler(folder: Path, config: dict) -> Path:
+    """Give a saved pipeline folder another scheduler: its config file and its class in model_index.json."""
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["diffusers", config["_class_name"]]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+# FLUX.1-dev's shipped scheduler config (the keys that shape the schedule; the rest are class defaults).
+FLUX_DEV_SCHEDULER = {
+    "_class_name": "FlowMatchEulerDiscreteScheduler",
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "use_dynamic_shifting": True,
+}

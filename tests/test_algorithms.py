@@ -24,12 +24,12 @@ from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
+from unirl_pl.group_stats import informative_groups
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.losses import (
     grpo_guard_loss,
     grpo_token_loss,
     gspo_loss,
-    informative_groups,
     nft_loss,
     optimality_probability,
     refiner_token_loss,

@@ -9,7 +9,6 @@ A ``rollout.shift`` override recomputes a family pipeline's own scheduler with t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,13 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from tests.helpers import ROOT
 from tests.pipelines import (
+    FLUX_DEV_SCHEDULER,
     make_flux_pipeline,
     make_sd3_pipeline,
     make_wan22_pipeline,
     make_wan_pipeline,
     random_latents,
+    with_scheduler,
 )
 from unirl_pl.algorithms import FlowGRPO, FlowGRPOFast
 from unirl_pl.experts import FlowTransformerExpert, TextEncoderExpert
@@ -249,14 +250,6 @@ WAN_UNIPC = {
 }
 
 
-def _with_scheduler(folder: Path, config: dict) -> Path:
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
-    index = json.loads((folder / "model_index.json").read_text())
-    index["scheduler"] = ["diffusers", config["_class_name"]]
-    (folder / "model_index.json").write_text(json.dumps(index))
-    return folder
-
-
 def _sigmas(scheduler, num_steps: int, **kwargs) -> torch.Tensor:
     if "sigmas" in kwargs:
         scheduler.set_timesteps(**kwargs)  # custom sigmas replace the step count, as retrieve_timesteps passes them
@@ -270,7 +263,7 @@ def _sigmas(scheduler, num_steps: int, **kwargs) -> torch.Tensor:
 
 def test_shift_override_recomputes_wan22_unipc_flow_sigmas(tmp_path: Path) -> None:
     """Wan2.2's shift 12 at 4 steps: UniPC's own flow sigmas (0.8006 at step 3), not SD3's formula (0.8)."""
-    folder = _with_scheduler(make_wan22_pipeline(tmp_path / "wan22"), WAN_UNIPC)
+    folder = with_scheduler(make_wan22_pipeline(tmp_path / "wan22"), WAN_UNIPC)
     generator = load_generator(folder, height=16, width=16, num_frames=5)
     loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=12.0), FlowGRPO(sde_window=(2, 4)))
     reference = UniPCMultistepScheduler(use_flow_sigmas=True, flow_shift=12.0, prediction_type="flow_prediction")
@@ -301,19 +294,13 @@ def test_shift_override_recomputes_flow_match_euler_and_turns_dynamic_shifting_o
     )
     assert not torch.allclose(loop.sigmas(4), flow_sigmas(4, 1.0)), "the pipeline's scheduler, not linspace"
     # FLUX.1-dev shifts by mu; an explicit shift replaces that (dynamic shifting off), on FluxPipeline's sigmas.
-    flux_dev = {
-        "_class_name": "FlowMatchEulerDiscreteScheduler",
-        "base_image_seq_len": 256,
-        "base_shift": 0.5,
-        "max_image_seq_len": 4096,
-        "max_shift": 1.15,
-        "num_train_timesteps": 1000,
-        "shift": 3.0,
-        "use_dynamic_shifting": True,
-    }
-    flux = load_generator(_with_scheduler(make_flux_pipeline(tmp_path / "flux"), flux_dev), height=32, width=32)
+    flux = load_generator(
+        with_scheduler(make_flux_pipeline(tmp_path / "flux"), FLUX_DEV_SCHEDULER), height=32, width=32
+    )
     loop = DiffusionDenoise(flux, RolloutConfig(num_steps=4, shift=2.0))
-    reference = FlowMatchEulerDiscreteScheduler.from_config({**flux_dev, "shift": 2.0, "use_dynamic_shifting": False})
+    reference = FlowMatchEulerDiscreteScheduler.from_config(
+        {**FLUX_DEV_SCHEDULER, "shift": 2.0, "use_dynamic_shifting": False}
+    )
     custom = torch.linspace(1.0, 0.25, 4, dtype=torch.float64).tolist()
     torch.testing.assert_close(loop.sigmas(4), _sigmas(reference, 4, sigmas=custom), rtol=0, atol=1e-7)
     assert "use_dynamic_shifting=False" in loop.describe()["source"]

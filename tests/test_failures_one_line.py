@@ -22,8 +22,8 @@ from unirl_pl.errors import InputError
 from unirl_pl.experts import CausalLMExpert, TextEncoderExpert
 from unirl_pl.generators import read_model_index
 from unirl_pl.manifest import ASSETS, AssetIntegrityError, verify_assets, write_manifest
+from unirl_pl.method.update import PolicyUpdate
 from unirl_pl.metrics import nonfinite_report
-from unirl_pl.module import UniRLModule
 from unirl_pl.rewards.builtin import resolve_reward
 
 UNION = "Does not validate against any of the Union subtypes\nSubtypes: [...]\nErrors:\n  - "
@@ -201,7 +201,7 @@ def test_the_stop_message_lists_the_non_finite_norm():
     with pytest.raises(
         RuntimeError, match=r"4 consecutive steps had a non-finite loss or gradient norm \(transformer/grad_norm=inf\)"
     ):
-        UniRLModule._skip(module, {}, outputs, {"transformer": torch.tensor(float("inf"))})
+        PolicyUpdate(module).skip({}, outputs, {"transformer": torch.tensor(float("inf"))})
 
 
 @pytest.mark.parametrize(

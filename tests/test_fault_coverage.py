@@ -25,6 +25,7 @@ from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.generators import load_generator
 from unirl_pl.method.advantages import AdvantageConfig, GroupLayout, compute_advantages
+from unirl_pl.method.update import PolicyUpdate
 from unirl_pl.records import Experience
 from unirl_pl.seeding import STREAM_LM, counter_uniform, gumbel_argmax, sample_keys
 
@@ -385,7 +386,7 @@ def test_a_non_finite_value_on_another_rank_skips_this_one(model, monkeypatch):
     Here the other rank is a stand-in for the all-reduce: it reports a non-finite value (1) whatever this
     rank says; this rank's loss and gradient norm are finite and it must still decide to skip.
     """
-    module = importlib.import_module(type(model).__module__)
+    module = importlib.import_module(PolicyUpdate.__module__)
     seen: list[int] = []
 
     def other_rank_bad(value: int, device=None) -> int:
@@ -394,11 +395,11 @@ def test_a_non_finite_value_on_another_rank_skips_this_one(model, monkeypatch):
 
     monkeypatch.setattr(module, "agree_max", other_rank_bad)
     finite = {"transformer": SimpleNamespace(loss=torch.tensor(0.5))}
-    assert not model._all_finite(finite, {"transformer": torch.tensor(1.0)})
+    assert not PolicyUpdate(model).all_finite(finite, {"transformer": torch.tensor(1.0)})
     assert seen == [0], "this rank's own values are finite"
     monkeypatch.setattr(module, "agree_max", lambda value, device=None: value)
-    assert model._all_finite(finite, {"transformer": torch.tensor(1.0)})
-    assert not model._all_finite(finite, {"transformer": torch.tensor(math.inf)})
+    assert PolicyUpdate(model).all_finite(finite, {"transformer": torch.tensor(1.0)})
+    assert not PolicyUpdate(model).all_finite(finite, {"transformer": torch.tensor(math.inf)})
 
 
 @pytest.mark.integration

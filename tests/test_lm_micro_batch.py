@@ -14,19 +14,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.helpers import TINY
-from unirl_pl.algorithms import DAPO, GSPO, LossInputs, TokenGRPO
+from tests.helpers import REFINER_ALGORITHMS, TINY
+from unirl_pl.algorithms import LossInputs, TokenGRPO
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.method import ExpertLoss
 
 QUIET = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
-ALGORITHMS = {
-    "token_grpo": TokenGRPO(),
-    "sequence_mean": TokenGRPO(aggregation="sequence_mean"),
-    "dapo": DAPO(),
-    "gspo": GSPO(clip_eps_low=0.05, clip_eps_high=0.05),
-}
+ALGORITHMS = REFINER_ALGORITHMS
 
 
 @pytest.fixture(scope="module")

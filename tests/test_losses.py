@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from unirl_pl.losses import flow_grpo_loss, group_advantages, grpo_token_loss, k3_kl, zero_std_fraction
+from unirl_pl.group_stats import group_advantages, zero_std_fraction
+from unirl_pl.losses import flow_grpo_loss, grpo_token_loss, k3_kl
 
 
 def test_group_advantages_normalize_within_groups():

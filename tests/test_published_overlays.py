@@ -22,8 +22,8 @@ from unirl_pl.algorithms import DAPO, GSPO, DiffusionNFT, FlowCPS, FlowGRPO, Flo
 from unirl_pl.algorithms.token_grpo import overlong_penalty
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
+from unirl_pl.group_stats import group_advantages
 from unirl_pl.loops import RolloutConfig
-from unirl_pl.losses import group_advantages
 from unirl_pl.method.advantages import compute_advantages
 
 OVERLAYS = ROOT / "recipes" / "algorithms"

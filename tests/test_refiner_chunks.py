@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from unirl_pl.algorithms import DAPO, GSPO, LossInputs, TokenGRPO
+from tests.helpers import REFINER_ALGORITHMS
+from unirl_pl.algorithms import LossInputs
 from unirl_pl.experts import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.method import ExpertLoss
@@ -25,12 +26,7 @@ PROMPTS = ["a red circle", "a blue square", "two green triangles", "a small red 
 # Real tokens per row: long rows first, then short ones and one without a real token, so that every chunking
 # gives chunks whose shares of the tokens, of the refinements and of the rows all differ.
 LENGTHS = [8, 8, 8, 1, 1, 0, 1, 2]
-ALGORITHMS = {
-    "token_grpo": TokenGRPO(),
-    "dapo": DAPO(),
-    "sequence_mean": TokenGRPO(aggregation="sequence_mean"),
-    "gspo": GSPO(clip_eps_low=0.05, clip_eps_high=0.05),
-}
+ALGORITHMS = REFINER_ALGORITHMS
 # Each row's aggregation units: its real tokens for a token mean, 1 if it has one for a mean over refinements.
 REFINEMENTS = [int(n > 0) for n in LENGTHS]
 UNITS = {"token_grpo": LENGTHS, "dapo": LENGTHS, "sequence_mean": REFINEMENTS, "gspo": REFINEMENTS}

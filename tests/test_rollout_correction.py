@@ -24,14 +24,10 @@ from unirl_pl.callbacks import LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
-from unirl_pl.losses import (
-    flow_grpo_loss,
-    grpo_token_loss,
-    rollout_correction_stats,
-    truncated_importance_weights,
-)
+from unirl_pl.losses import flow_grpo_loss, grpo_token_loss
 from unirl_pl.method import ExpertLoss
 from unirl_pl.method.grpo import anchor_and_weights
+from unirl_pl.rollout_correction import rollout_correction_stats, truncated_importance_weights
 
 FAST = (
     "--trainer.limit_val_batches=0",

@@ -14,7 +14,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 
-from tests.pipelines import make_flux_pipeline, make_sd3_pipeline, make_wan_pipeline
+from tests.pipelines import FLUX_DEV_SCHEDULER, make_flux_pipeline, make_sd3_pipeline, make_wan_pipeline, with_scheduler
 from unirl_pl.algorithms import FlowGRPO
 from unirl_pl.generators import load_generator
 from unirl_pl.generators.schedule import FIRST_SIGMA_SNAP, scheduler_sigmas
@@ -24,16 +24,7 @@ from unirl_pl.sampling import flow_sigmas
 # The scheduler configs of the public checkpoints (their scheduler/scheduler_config.json, trimmed to the
 # keys that shape the schedule; everything else is the class default).
 SD35_MEDIUM = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0}
-FLUX_DEV = {
-    "_class_name": "FlowMatchEulerDiscreteScheduler",
-    "base_image_seq_len": 256,
-    "base_shift": 0.5,
-    "max_image_seq_len": 4096,
-    "max_shift": 1.15,
-    "num_train_timesteps": 1000,
-    "shift": 3.0,
-    "use_dynamic_shifting": True,
-}
+FLUX_DEV = FLUX_DEV_SCHEDULER
 FLUX_SCHNELL = {
     "_class_name": "FlowMatchEulerDiscreteScheduler",
     "num_train_timesteps": 1000,
@@ -58,19 +49,10 @@ CASES = {
 }
 
 
-def _with_scheduler(folder: Path, config: dict) -> Path:
-    """Give a saved pipeline folder another scheduler: its config file and its class in model_index.json."""
-    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps(config))
-    index = json.loads((folder / "model_index.json").read_text())
-    index["scheduler"] = ["diffusers", config["_class_name"]]
-    (folder / "model_index.json").write_text(json.dumps(index))
-    return folder
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     make, config, sizes = CASES[request.param]
-    folder = _with_scheduler(make(tmp_path_factory.mktemp(request.param)), config)
+    folder = with_scheduler(make(tmp_path_factory.mktemp(request.param)), config)
     return request.param, folder, sizes
 
 
@@ -117,14 +99,14 @@ def test_generator_schedule_is_the_pipelines_own_at_two_sizes(case, num_steps):
 
 def test_sd35_ten_steps_are_the_published_schedule(tmp_path):
     """The 10-step SD3.5-Medium sigmas as diffusers 0.42 samples them (the numbers the issue quotes)."""
-    folder = _with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
+    folder = with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
     sigmas = load_generator(folder, height=32, width=32).schedule(10).sigmas
     published = [1.0, 0.96, 0.913, 0.858, 0.79, 0.707, 0.602, 0.465, 0.278, 0.009, 0.0]
     torch.testing.assert_close(sigmas, torch.tensor(published, dtype=torch.float64), rtol=0, atol=6e-4)
 
 
 def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
-    folder = _with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
+    folder = with_scheduler(make_sd3_pipeline(tmp_path / "sd35"), SD35_MEDIUM)
     generator = load_generator(folder, height=32, width=32)
     loop = DiffusionDenoise(generator, RolloutConfig(num_steps=4, shift=1.0), FlowGRPO(sde_window=(0, 2)))
     # The override rebuilds the pipeline's own scheduler with shift 1.0 and calls set_timesteps as
@@ -145,7 +127,7 @@ def test_a_recipe_shift_overrides_the_pipeline_and_says_so(tmp_path):
 
 
 def test_schedule_json_describes_the_pipeline_schedule_and_sde_steps(tmp_path):
-    folder = _with_scheduler(make_flux_pipeline(tmp_path / "flux"), FLUX_DEV)
+    folder = with_scheduler(make_flux_pipeline(tmp_path / "flux"), FLUX_DEV)
     generator = load_generator(folder, height=32, width=32)
     loop = DiffusionDenoise(generator, RolloutConfig(num_steps=6), FlowGRPO(sde_window=(1, 4)))
     on_disk = write_schedule(loop, tmp_path / "run")

@@ -14,7 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from unirl_pl.algorithms import DAPO, GSPO, LossInputs, TokenGRPO
+from tests.helpers import REFINER_ALGORITHMS
+from unirl_pl.algorithms import LossInputs
 from unirl_pl.experts import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.loops.ar_decode import positions, process_logits
@@ -24,12 +25,7 @@ from unirl_pl.method import ExpertLoss
 TOP_K = 3
 PROMPTS = ["a red circle", "a blue square", "two green triangles", "a small red square"] * 2
 SEED = 1  # a draw whose refinements end at different steps (checked below)
-ALGORITHMS = {
-    "token_grpo": TokenGRPO(),
-    "sequence_mean": TokenGRPO(aggregation="sequence_mean"),
-    "dapo": DAPO(),
-    "gspo": GSPO(clip_eps_low=0.05, clip_eps_high=0.05),
-}
+ALGORITHMS = REFINER_ALGORITHMS
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,6 @@
-"""Advantages and policy losses as pure functions: GRPO for the LM's tokens, Flow-GRPO for the DiT's steps.
+"""Policy losses as pure functions: GRPO for the LM's tokens, Flow-GRPO for the DiT's steps (the group
+statistics of advantages are :mod:`unirl_pl.group_stats`, the rollout correction's weights
+:mod:`unirl_pl.rollout_correction`).
 
 No module state lives here, so each formula is unit-tested on its own and the LightningModule only
 feeds tensors in.
@@ -6,65 +8,10 @@ feeds tensors in.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-
-
-def group_advantages(
-    rewards: Tensor,
-    group_ids: Tensor,
-    *,
-    global_std: bool = False,
-    batch_std: Tensor | float | None = None,
-    eps: float = 1e-4,
-    clip_max: float = 5.0,
-) -> Tensor:
-    """Group-relative advantages ``(r - mean_group) / (std + eps)``, clipped to ``+-clip_max``.
-
-    ``std`` is the group's (population) std, or the whole batch's with ``global_std`` (Flow-GRPO's
-    option that keeps zero-variance groups from blowing up). With several ranks the caller passes the
-    std of all ranks' rewards as ``batch_std`` so every rank normalizes by the same number.
-    ``group_ids`` is a (N,) integer tensor; groups need not be contiguous.
-    """
-    if rewards.shape != group_ids.shape or rewards.ndim != 1:
-        raise ValueError(f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be (N,)")
-    r = rewards.double()
-    _, inverse = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(inverse.max()) + 1
-    count = torch.zeros(n_groups, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
-    total = torch.zeros_like(count).index_add_(0, inverse, r)
-    mean = (total / count)[inverse]
-    if global_std:
-        std = (r.std(unbiased=False) if batch_std is None else torch.as_tensor(batch_std, dtype=r.dtype)).expand_as(r)
-    else:
-        sq = torch.zeros_like(count).index_add_(0, inverse, (r - mean) ** 2)
-        std = torch.sqrt(sq / count)[inverse]
-    adv = (r - mean) / (std + eps)
-    return adv.clamp(-clip_max, clip_max).to(rewards.dtype)
-
-
-def informative_groups(rewards: Tensor, groups: Tensor, tol: float = 1e-8) -> Tensor:
-    """(G,) bool over the group ids ``0..max(groups)``: which have a reward spread (population std) above ``tol``.
-
-    ``rewards`` and ``groups`` are per sample; a group with one sample, with all rewards equal, or with no
-    sample has none. A non-finite spread counts as a spread (it is not a group of equal rewards).
-    """
-    count = int(groups.max()) + 1 if groups.numel() else 0
-    rewards, groups = rewards.double().cpu(), groups.cpu()
-    n = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, torch.ones_like(rewards))
-    mean = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, rewards) / n.clamp_min(1)
-    var = torch.zeros(count, dtype=torch.float64).index_add_(0, groups, (rewards - mean[groups]) ** 2) / n.clamp_min(1)
-    return ~(var.sqrt() <= tol)
-
-
-def zero_std_fraction(rewards: Tensor, group_ids: Tensor, tol: float = 1e-8) -> float:
-    """Fraction of the groups present whose rewards are all equal: they carry no learning signal."""
-    present = torch.bincount(group_ids.cpu()) > 0 if group_ids.numel() else torch.zeros(0, dtype=torch.bool)
-    flat = ~informative_groups(rewards, group_ids, tol)[present]
-    return int(flat.sum()) / len(flat) if len(flat) else 0.0
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -185,47 +132,6 @@ def clipped_surrogate(
     high = (active & (ratio > 1 + clip_eps)).float()
     low = (active & (ratio < 1 - clip_eps)).float()
     return loss, ratio, high, low
-
-
-def truncated_importance_weights(old_logp: Tensor, behavior_logp: Tensor, cap: float) -> Tensor:
-    """Truncated importance weights of the rollout/train numerics mismatch: ``min(exp(old - behavior), cap)``.
-
-    ``old_logp`` is the log-prob the trainer recomputes under the weights that produced the sample (before
-    any update), ``behavior_logp`` the one rollout recorded while sampling; their ratio corrects for the
-    sampler's numerics (bf16 kernels, a KV cache, another batch shape) differing from the trainer's. The
-    weight is detached (a fixed per-term coefficient, as in verl's decoupled rollout correction and TRL's
-    TIS) and truncated at ``cap`` so a rare term the sampler under-weighted cannot dominate the gradient;
-    the cap is applied to the log ratio, so a huge mismatch cannot overflow. Equal log-probs give 1.
-    """
-    if cap <= 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    log_ratio = (old_logp.detach() - behavior_logp.detach()).float()
-    return torch.exp(log_ratio.clamp(max=math.log(cap)))
-
-
-def rollout_correction_stats(
-    old_logp: Tensor, behavior_logp: Tensor, mask: Tensor | None, cap: float
-) -> dict[str, Tensor]:
-    """Statistics of the behavior/recompute ratio ``r = exp(old - behavior)`` over the real terms of ``mask``.
-
-    ``ratio_mean`` and ``ratio_max`` are of the untruncated ratio, ``clipped_frac`` the fraction of terms
-    whose weight the cap truncates, ``kl`` the k3 estimate ``r - 1 - log r`` of KL(behavior || recompute)
-    (the samples come from the behavior policy, so this is the direction their mean estimates; >= 0 and 0
-    only where the two agree). All detached float32 scalars; no real term gives a ratio of 1 and zeros.
-    """
-    log_ratio = (old_logp.detach() - behavior_logp.detach()).float()
-    if mask is not None:
-        log_ratio = log_ratio[mask.bool()]
-    if not log_ratio.numel():
-        one, zero = torch.ones(()), torch.zeros(())
-        return {"ratio_mean": one, "ratio_max": one, "clipped_frac": zero, "kl": zero}
-    ratio = torch.exp(log_ratio)
-    return {
-        "ratio_mean": ratio.mean(),
-        "ratio_max": ratio.max(),
-        "clipped_frac": (log_ratio > math.log(cap)).float().mean(),
-        "kl": (ratio - 1 - log_ratio).mean(),
-    }
 
 
 def grpo_token_loss(

@@ -71,7 +71,7 @@ def nonfinite_report(losses: dict[str, Tensor], grad_norms: dict[str, Tensor]) -
 
 
 def rollout_correction_metrics(name: str, stats: dict[str, float]) -> dict[str, float]:
-    """An expert's rollout-correction statistics (:func:`unirl_pl.losses.rollout_correction_stats`) under
+    """An expert's rollout-correction statistics (:func:`unirl_pl.rollout_correction.rollout_correction_stats`) under
     ``rollout_corr/<name>_<stat>``: ``ratio_mean``, ``ratio_max``, ``clipped_frac`` and ``kl``."""
     return {f"rollout_corr/{name}_{key}": value for key, value in stats.items()}
 

@@ -18,17 +18,15 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
 from unirl_pl.callbacks.ema import EMA
-from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.card import Card
 from unirl_pl.checkpoint import load_run_state, save_run_state
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
-from unirl_pl.distributed import agree_max, shard_experts
+from unirl_pl.distributed import shard_experts
 from unirl_pl.evaluation import serve, validation_scores
 from unirl_pl.experts import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
@@ -36,9 +34,9 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise, EvalSampler, RolloutConfi
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
-from unirl_pl.method.minibatch import minibatch_rows
 from unirl_pl.method.policy import PolicyLosses, Rows
-from unirl_pl.metrics import log_step, nonfinite_report, rollout_metrics, update_metrics
+from unirl_pl.method.update import PolicyUpdate
+from unirl_pl.metrics import log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.versioning import VersionLedger, check_staleness
@@ -286,8 +284,8 @@ class UniRLModule(pl.LightningModule):
     # ------------------------------------------------------------------ training
     def _loss(self, name: str, exp: Experience, weight: float = 1.0, rows: Rows | None = None) -> LossOutput | None:
         """Expert ``name``'s loss (of the mini-batch ``rows``); the terms it backpropagates itself (the DiT's per
-        step, the LM's per micro-batch) are scaled by ``weight`` (:meth:`_token_weight`) as the returned loss
-        would be."""
+        step, the LM's per micro-batch) are scaled by ``weight`` (``PolicyUpdate.token_weight``) as the returned
+        loss would be."""
         assert self.policy is not None, "configure_model() builds the losses"
         return self.policy.loss(name, exp, backward=lambda term: self.manual_backward(weight * term), rows=rows)
 
@@ -298,50 +296,6 @@ class UniRLModule(pl.LightningModule):
         owners = {loop: self.card.owner(loop) for loop in exp.records}
         return check_staleness(exp.records, owners, self.ledger, self.on_stale)
 
-    @timing.timed("optimizer")
-    def _grad_norm(self, name: str) -> Tensor:
-        grads = [p.grad for p in self.experts()[name].parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if isinstance(norm, DTensor):  # FSDP2: a partial norm; loggers and sync_dist need a plain tensor
-            norm = norm.full_tensor()
-        return norm.detach()
-
-    @timing.timed("optimizer")
-    def _step(self, name: str, opt: Any, counts_as_global_step: bool) -> None:
-        clip = self.losses[name].grad_clip
-        if clip is not None:
-            self.clip_gradients(opt, gradient_clip_val=clip, gradient_clip_algorithm="norm")
-        if counts_as_global_step:
-            opt.step()
-        else:
-            # Lightning counts every LightningOptimizer.step() as a global step; one RL step (every expert,
-            # every PPO epoch) must count once, so the others step through the strategy directly.
-            self.trainer.strategy.optimizer_step(opt.optimizer, closure=lambda: None, model=self)
-        self.ledger.bump(name)
-
-    def _all_finite(self, outputs: dict[str, LossOutput], norms: dict[str, Tensor]) -> bool:
-        """Whether every loss and gradient norm is finite on every rank (all ranks must agree to skip)."""
-        values = [o.loss.detach() for o in outputs.values()] + list(norms.values())
-        local_bad = not all(bool(torch.isfinite(v).all()) for v in values)
-        return not agree_max(int(local_bad), self.device)
-
-    def _skip(self, opts: dict[str, Any], outputs: dict[str, LossOutput], norms: dict[str, Tensor]) -> None:
-        """Leave weights, optimizer state and versions untouched, but still count one global step."""
-        self.skipped_steps += 1
-        self.consecutive_skips += 1
-        if self.consecutive_skips > self.max_consecutive_skips:
-            bad = nonfinite_report({n: o.loss for n, o in outputs.items()}, norms)
-            raise RuntimeError(
-                f"{self.consecutive_skips} consecutive steps had a non-finite loss or gradient norm ({bad}); "
-                "stopping. Check the rewards (model.nonfinite_rewards=drop drops bad samples), the learning rates "
-                "and the data; raise model.max_consecutive_skips to tolerate more."
-            )
-        for opt in opts.values():
-            opt.zero_grad(set_to_none=True)
-        # With no gradients the optimizer leaves every parameter and its state alone; the step through
-        # Lightning's wrapper keeps max_steps, the prompt stream and the gates counting RL steps.
-        next(iter(opts.values())).step()
-
     @timing.timed("train_glue")
     def training_step(self, exp: Experience, batch_idx: int) -> None:
         step = self.trainer.global_step  # the row of this RL step in metrics.csv, as the gates log it
@@ -349,24 +303,7 @@ class UniRLModule(pl.LightningModule):
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         assert self.policy is not None
-        updates: dict[str, list[tuple[LossOutput, Tensor]]] = {name: [] for name in opts}
-        stepped: list[str] = []  # the experts with an update applied this step (none when the step was skipped)
-        reported = self._report_before_updates(exp, opts)
-        first = True
-        for epoch in range(self.ppo_epochs):
-            splits = {name: self._mini_batches(name, exp, epoch) for name in opts}
-            for u in range(max(len(s) for s in splits.values())):
-                active = {n: o for n, o in opts.items() if u < len(splits[n]) and splits[n][u] != {}}
-                applied = self._update(exp, active, {n: splits[n][u] for n in active}, first, reported, updates)
-                if applied is None:  # not finite: the first update skips the step, a later one ends it
-                    break
-                if applied:
-                    if first:
-                        self.consecutive_skips, first = 0, False
-                    stepped += [name for name in applied if name not in stepped]
-            else:
-                continue
-            break
+        updates, stepped = PolicyUpdate(self).run(exp, opts)
         for name in stepped:
             self.policy.end_step(name, step)
         metrics: dict[str, Tensor | float] = {}
@@ -387,93 +324,6 @@ class UniRLModule(pl.LightningModule):
                 batch_size=len(exp.prompts),
                 sync_dist=True,
             )
-
-    def _update(
-        self,
-        exp: Experience,
-        opts: dict[str, Any],
-        rows: dict[str, Rows | None],
-        first: bool,
-        reported: bool,
-        updates: dict[str, list[tuple[LossOutput, Tensor]]],
-    ) -> list[str] | None:
-        """One optimizer step of each expert in ``opts`` on its mini-batch ``rows`` (None: the whole record).
-
-        Returns the experts that stepped, or None when a loss or gradient norm was not finite on some rank
-        (the first update of a step then skips it: weights, optimizer state and versions untouched).
-        """
-        for opt in opts.values():
-            opt.zero_grad(set_to_none=True)
-        # Token-level LM loss: reweight so the ranks' averaged gradient is the global token mean.
-        weights = {name: self._token_weight(name, exp, rows[name]) for name in opts}
-        outputs = {n: out for n in opts if (out := self._loss(n, exp, weights[n], rows[n])) is not None}
-        if not outputs:
-            return []
-        if first and not reported:
-            self._report_policy_logprobs(exp, outputs)
-        pending = [weights[n] * o.loss for n, o in outputs.items() if not o.backpropagated]
-        if pending:
-            self.manual_backward(sum(pending))
-        norms = {name: self._grad_norm(name) for name in outputs}
-        if not self._all_finite(outputs, norms):
-            if first:
-                self._skip(opts, outputs, norms)
-            return None
-        for i, name in enumerate(outputs):
-            self._step(name, opts[name], counts_as_global_step=first and i == 0)
-            updates[name].append((outputs[name], norms[name]))
-        return list(outputs)
-
-    def _mini_batches(self, name: str, exp: Experience, epoch: int) -> list[Rows | None]:
-        """Expert ``name``'s mini-batches of this PPO epoch: ``[None]`` (the whole record) for one, else per
-        mini-batch its loops' record rows (``{}`` where this rank holds no group of that mini-batch)."""
-        count = self.losses[name].mini_batches
-        assert self.policy is not None
-        loops = self.policy.loops_with_records(name, exp)
-        if count == 1 or not loops:
-            return [None]
-        parts: list[Rows] = [{} for _ in range(count)]
-        for loop in loops:
-            for j, index in enumerate(minibatch_rows(exp.row_requests[loop], count, exp.seed, epoch)):
-                if len(index):
-                    parts[j][loop] = index
-        if self._trainer is not None and self.trainer.world_size > 1 and any(not part for part in parts):
-            raise RuntimeError(
-                f"model.{name}_loss.mini_batches={count}: a mini-batch holds none of this rank's prompt groups "
-                "(every rank must step alike); use a multiple of mini_batches prompts per rank and keep every group"
-            )
-        return parts
-
-    def _report_before_updates(self, exp: Experience, opts: dict[str, Any]) -> bool:
-        """With mini-batches the first update sees only its own rows: the gates and the rollout correction's
-        anchors get one no-grad recompute of every record before any update instead. Returns whether it ran."""
-        assert self.policy is not None
-        if all(self.losses[name].mini_batches == 1 for name in opts):
-            return False
-        self.policy.before_updates(exp, list(opts))
-        gated = self._trainer is not None and any(hasattr(c, "on_policy_logprobs") for c in self.trainer.callbacks)
-        corrected = any(self.losses[name].rollout_correction != "off" for name in opts)
-        if not (gated or corrected):
-            return True
-        values = self.policy.recompute(exp, list(opts))
-        self.policy.keep_anchors(exp, values)
-        if gated:
-            notify_policy_logprobs(self.trainer, self, exp, values)
-        return True
-
-    def _report_policy_logprobs(self, exp: Experience, outputs: dict[str, LossOutput]) -> None:
-        """Hand the first training forward's log-probs (weights not yet stepped) to the gates that check them:
-        the C2 identity's input is the recompute the loss already paid for, not a forward of its own."""
-        if self._trainer is None or self.policy is None:
-            return
-        # A likelihood-free algorithm's gate values cost a forward of their own: only when a gate reads them.
-        if any(hasattr(callback, "on_policy_logprobs") for callback in self.trainer.callbacks):
-            notify_policy_logprobs(self.trainer, self, exp, self.policy.logprobs(exp, outputs))
-
-    def _token_weight(self, name: str, exp: Experience, rows: Rows | None = None) -> float:
-        assert self.policy is not None
-        strategy = self._trainer.strategy if self._trainer is not None else None
-        return self.policy.loss_weight(name, exp, strategy, rows)
 
     def position_label(self, name: str) -> str:
         """What a column of expert ``name``'s C2 values is (``token``, ``SDE step``, ``training point``)."""

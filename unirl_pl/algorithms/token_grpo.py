@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
-from unirl_pl.losses import LossOutput, informative_groups, refiner_token_loss
+from unirl_pl.group_stats import informative_groups
+from unirl_pl.losses import LossOutput, refiner_token_loss
 from unirl_pl.method import grpo
 from unirl_pl.records import LMRecord
 

@@ -32,9 +32,10 @@ import torch
 
 from unirl_pl import timing
 from unirl_pl.callbacks.protocol import RecomputingModule, require
-from unirl_pl.losses import k3_kl, rollout_correction_stats
+from unirl_pl.losses import k3_kl
 from unirl_pl.metrics import rollout_correction_metrics
 from unirl_pl.records import Experience
+from unirl_pl.rollout_correction import rollout_correction_stats
 
 Action = Literal["raise", "warn"]
 Precision = Literal["auto", "float32", "bfloat16", "float16"]

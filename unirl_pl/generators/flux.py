@@ -8,7 +8,8 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from transformers import CLIPTextModel, T5EncoderModel
 
-from unirl_pl.generators.base import JOINT_ATTENTION_LORA_TARGETS, Cond, ImageFlowGenerator
+from unirl_pl.generators.base import Cond
+from unirl_pl.generators.image import JOINT_ATTENTION_LORA_TARGETS, ImageFlowGenerator
 from unirl_pl.generators.schedule import pipeline_shift
 
 

@@ -8,8 +8,9 @@ import torch
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
 from transformers import CLIPTextModelWithProjection, T5EncoderModel
 
-from unirl_pl.generators.base import JOINT_ATTENTION_LORA_TARGETS, Cond, ImageFlowGenerator
+from unirl_pl.generators.base import Cond
 from unirl_pl.generators.folder import has_component
+from unirl_pl.generators.image import JOINT_ATTENTION_LORA_TARGETS, ImageFlowGenerator
 from unirl_pl.generators.schedule import pipeline_shift
 
 

@@ -15,8 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from unirl_pl.group_stats import group_advantages
 from unirl_pl.layout import GroupLayout
-from unirl_pl.losses import group_advantages
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from unirl_pl import timing
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.experts.chat import fallback_fraction
+from unirl_pl.group_stats import zero_std_fraction
 from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
-from unirl_pl.losses import zero_std_fraction
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages, text_advantages
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor
 
 from unirl_pl.loops import ARDecode, DiffusionDenoise
-from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_token_loss, truncated_importance_weights
+from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_token_loss
 from unirl_pl.records import DiTRecord, LMRecord
+from unirl_pl.rollout_correction import truncated_importance_weights
 from unirl_pl.sampling import flow_kl
 
 
