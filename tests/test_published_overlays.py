@@ -304,3 +304,12 @@ def test_mix_grpo_tuned_overlay_on_the_main_recipe_stays_below_step_8():
         mix.begin_step(step)
         windows.add(mix.window(config))
     assert windows == {(s, s + 2) for s in range(7)}, sorted(windows)
+
+
+def test_a_fraction_window_keeps_a_step_after_it_in_shorter_requests():
+    # The parity probe samples fewer steps than the rollout; with 9 of 10 steps trained, a 9-step request
+    # would end on an SDE step into sigma 0, where the main recipe's DiT showed 5.6e-4 of batch variance.
+    config = RolloutConfig(num_steps=10)
+    assert FlowGRPO(timestep_fraction=0.99).least_steps(config) == 10
+    assert FlowGRPO(timestep_fraction=1.0).least_steps(config) == 10, "the whole schedule: nothing after it"
+    assert FlowGRPO(sde_window=(0, 9)).least_steps(config) == 9, "an explicit window is as given"
