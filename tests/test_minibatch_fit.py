@@ -16,7 +16,7 @@ from unirl_pl.cli import main
 from unirl_pl.losses import LossOutput
 from unirl_pl.method.grpo import ExpertLoss
 from unirl_pl.method.policy import PolicyLosses
-from unirl_pl.records import Experience, LMRecord
+from unirl_pl.records import DiTRecord, Experience, LMRecord
 
 # ------------------------------------------------------------------------ the anchor over PPO epochs
 
@@ -131,6 +131,9 @@ def test_two_mini_batches_train_each_half_once_and_the_gate_sees_the_whole_rollo
         return loss(self, name, exp, backward, rows)
 
     monkeypatch.setattr(PolicyLosses, "loss", recording)
+    takes: list[int] = []
+    take = DiTRecord.take
+    monkeypatch.setattr(DiTRecord, "take", lambda self, index: takes.append(len(index)) or take(self, index))
     cli = main(
         [
             "--config", TINY,
@@ -162,3 +165,4 @@ def test_two_mini_batches_train_each_half_once_and_the_gate_sees_the_whole_rollo
     assert series(rows, "version/transformer") == [2.0, 4.0]
     assert series(rows, "c2/transformer_max_abs_diff") == [0.0, 0.0], "the first update is on-policy, bit for bit"
     assert max(series(rows, "llm/ratio_max")) > 1.0 + 1e-4, "the second mini-batch is stale"
+    assert len(takes) == 4, "each DiT mini-batch's rows are copied once (the loss weight and the loss share them)"

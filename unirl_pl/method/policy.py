@@ -53,6 +53,7 @@ class PolicyLosses:
     settings: Callable[[str], ExpertLoss]
     algorithms: dict[str, Any]
     _anchors: dict[str, tuple[weakref.ref, Tensor]] = field(default_factory=dict, init=False, repr=False)
+    _taken: dict[str, tuple[Any, Tensor, Any]] = field(default_factory=dict, init=False, repr=False)
 
     def loops_with_records(self, name: str, exp: Experience) -> list[str]:
         """The loops component ``name`` trains through that captured a record in ``exp``."""
@@ -74,7 +75,10 @@ class PolicyLosses:
             whole, index = record, None
             if rows is not None and loop in rows:
                 index = rows[loop]
-                record, advantages = record.take(index), advantages[index.to(advantages.device)]
+                record, advantages = (
+                    self._take(loop, record, index, keep=False),
+                    advantages[index.to(advantages.device)],
+                )
                 anchor = None if anchor is None else anchor[index.to(anchor.device)]
             inputs = LossInputs(self.loops[loop], record, advantages, settings, reference, anchor, whole, index)
             with timing.phase(getattr(algorithm, "phase", "loss")):
@@ -104,6 +108,15 @@ class PolicyLosses:
             for loop in self.loops_with_records(name, exp):
                 if getattr(self.algorithms[loop], "likelihood", True):
                     self._anchors[loop] = (weakref.ref(exp.records[loop]), recomputed)
+
+    def _take(self, loop: str, record: Any, index: Tensor, keep: bool) -> Any:
+        """``record.take(index)``, built once per update: the loss weight (``keep``) and then the loss of the
+        same mini-batch share it (a DiT record's rows are whole latents per step); the loss lets it go."""
+        kept = self._taken.pop(loop, None)
+        sub = kept[2] if kept is not None and kept[0] is record and kept[1] is index else record.take(index)
+        if keep:
+            self._taken[loop] = (record, index, sub)
+        return sub
 
     def anchor(self, loop: str, record: Any) -> Tensor | None:
         """The log-probs the first loss call on ``record`` recomputed (None before it, or for another record)."""
@@ -136,7 +149,7 @@ class PolicyLosses:
         for loop in self.loops_with_records(name, exp):
             record = exp.records[loop]
             if rows is not None and loop in rows:
-                record = record.take(rows[loop])
+                record = self._take(loop, record, rows[loop], keep=True)
             weights.append(self.algorithms[loop].loss_weight(record, strategy))
         return math.prod(weights)
 
