@@ -219,3 +219,16 @@ def test_fsdp1_is_refused_before_the_trainer_is_built(strategy, refused):
     message = fsdp1_refusal(strategy)
     assert (message is not None) == refused
     assert message is None or "ModelParallelStrategy" in message
+
+
+def test_the_projects_message_around_a_library_error_is_shown_with_its_cause(monkeypatch, capsys):
+    """The OCR reward wraps the missing package's ImportError in one that names the extra to install: the CLI
+    prints that one, with the library's message after it, not the library's alone."""
+    monkeypatch.setitem(__import__("sys").modules, "rapidocr_onnxruntime", None)  # the extra is not installed
+    args = ["fit", "--config", TINY, "--model.rewards={ocr: 1.0}", "--model.reward_args={}", "--trainer.logger=false"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err
+    assert "install the extra with `pip install -e .[ocr]`" in err, err
+    assert "(cause: import of rapidocr_onnxruntime halted" in err, err

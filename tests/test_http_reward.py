@@ -1,9 +1,13 @@
-"""HTTP reward client and reference server, on loopback only, with every server closed by its fixture."""
+"""HTTP reward client, its transport (deadline, retries, redirects, reply cap, proxies) and the reference
+server, on loopback only, with every server closed by its fixture."""
 
 import json
+import pickle
 import socket
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,9 +15,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from unirl_pl.rewards import Brightness, WeightedSum
+from unirl_pl.rewards import Brightness, WeightedSum, transport
 from unirl_pl.rewards.http import HTTPReward, RewardServerError, decode_images, encode_images
 from unirl_pl.rewards.server import serve
+from unirl_pl.rewards.transport import RequestRejected, TransportFailed, post, retry_budget
 
 # Small enough that no test waits on the network for long, large enough for a loaded CI runner.
 FAST = {"timeout_s": 2.0, "max_retries": 2, "backoff_s": 0.01}
@@ -47,6 +52,7 @@ def custom_server() -> Iterator[Callable[[Reply], str]]:
 
     def start(reply: Reply) -> str:
         calls = [0]
+        seen: list[dict[str, str]] = []  # each request's headers
         lock = threading.Lock()
 
         class Handler(BaseHTTPRequestHandler):
@@ -58,6 +64,7 @@ def custom_server() -> Iterator[Callable[[Reply], str]]:
                 with lock:
                     index = calls[0]
                     calls[0] += 1
+                    seen.append(dict(self.headers))
                 status, body = reply(index, request)
                 if status == 0:  # hang until the client has given up, then drop the connection
                     release.wait(timeout=5)
@@ -70,6 +77,7 @@ def custom_server() -> Iterator[Callable[[Reply], str]]:
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
         server.calls = calls  # type: ignore[attr-defined]
+        server.seen = seen  # type: ignore[attr-defined]
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/"
@@ -122,12 +130,23 @@ def test_reference_server_rejects_bad_request(reference_server: str):
     assert "2 prompts, 1 refined prompts and 2 images differ" in err.value.read().decode()
 
 
-def test_client_error_is_not_retried(custom_server):
-    url = custom_server(lambda index, request: (404, b'{"error": "no such route"}'))
-    with pytest.raises(RewardServerError, match="after 1 attempt: HTTP 404.*no such route") as err:
+@pytest.mark.parametrize("status", [400, 401, 404, 413])
+def test_client_error_is_not_retried(custom_server, status: int):
+    url = custom_server(lambda index, request: (status, b'{"error": "no such route"}' + b"x" * 1000))
+    with pytest.raises(RequestRejected, match=f"rejected the request: HTTP {status}.*no such route") as err:
         HTTPReward(url, **FAST)(["p"], ["r"], _images(1))
-    assert url in str(err.value)
+    assert url in str(err.value) and err.value.status == status and err.value.url == url
+    assert "x" * 250 in str(err.value) and "x" * 300 not in str(err.value), "the first 300 bytes of the body"
     assert custom_server.servers[0].calls[0] == 1
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 408, 429])
+def test_server_errors_timeouts_and_throttling_are_retried(custom_server, status: int):
+    url = custom_server(lambda index, request: (status, b"busy"))
+    with pytest.raises(TransportFailed, match=f"after 3 attempts .*HTTP {status} .*: busy") as err:
+        HTTPReward(url, **FAST)(["p"], ["r"], _images(1))
+    assert url in str(err.value) and err.value.attempts == 3 and err.value.status == status
+    assert custom_server.servers[0].calls[0] == 3
 
 
 def test_encode_decode_video_round_trip():
@@ -186,3 +205,243 @@ def test_client_validates_arguments():
         HTTPReward("127.0.0.1:8000")
     with pytest.raises(ValueError, match="image_format"):
         HTTPReward("http://127.0.0.1:1/", image_format="bmp")
+
+
+def test_the_reward_pickles_and_keeps_no_connection(reference_server: str):
+    reward = pickle.loads(pickle.dumps(HTTPReward(reference_server, **FAST)))
+    images = _images(2, seed=4)
+    assert reward(["a", "b"], ["a", "b"], images) == pytest.approx(Brightness()([""] * 2, [""] * 2, images), abs=1e-6)
+    err = pickle.loads(pickle.dumps(TransportFailed("down", "http://h/", 3, 503)))
+    assert (str(err), err.url, err.attempts, err.status) == ("down", "http://h/", 3, 503)
+
+
+# ------------------------------------------------------------------ transport: scripted peers
+class Scripted:
+    """A loopback TCP peer: reads each HTTP request (head and Content-Length body), records its head, then
+    lets ``respond(conn, index, stop)`` write whatever it likes, byte by byte if it wants."""
+
+    def __init__(self, respond: Callable[[socket.socket, int, threading.Event], None]) -> None:
+        self.respond, self.requests, self.stop = respond, [], threading.Event()
+        self._lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.05)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(5)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                text = head.decode("latin-1")
+                lengths = [
+                    line.split(":")[1] for line in text.split("\r\n") if line.lower().startswith("content-length")
+                ]
+                length = int(lengths[0]) if lengths else 0
+                while len(body) < length:
+                    body += conn.recv(65536)
+                with self._lock:
+                    index = len(self.requests)
+                    self.requests.append(text)
+                self.respond(conn, index, self.stop)
+            except OSError:  # the client gave up: what this peer is for
+                pass
+
+    def close(self) -> None:
+        self.stop.set()
+        self.listener.close()
+
+
+@pytest.fixture
+def scripted() -> Iterator[Callable[..., Scripted]]:
+    peers: list[Scripted] = []
+
+    def start(respond: Callable[[socket.socket, int, threading.Event], None]) -> Scripted:
+        peers.append(Scripted(respond))
+        return peers[-1]
+
+    yield start
+    for peer in peers:
+        peer.close()
+
+
+def _drip_body(conn: socket.socket, index: int, stop: threading.Event) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n")
+    while not stop.wait(0.3):
+        conn.sendall(b" ")
+
+
+def _drip_headers(conn: socket.socket, index: int, stop: threading.Event) -> None:
+    for byte in b"HTTP/1.1 200 OK\r\nX-Slow: " + b"a" * 100:
+        if stop.wait(0.3):
+            return
+        conn.sendall(bytes([byte]))
+
+
+def _reply(raw: bytes) -> Callable[[socket.socket, int, threading.Event], None]:
+    def respond(conn: socket.socket, index: int, stop: threading.Event) -> None:
+        conn.sendall(raw)
+
+    return respond
+
+
+@pytest.mark.parametrize("drip", [_drip_body, _drip_headers], ids=["body", "headers"])
+def test_a_trickling_reply_fails_at_the_deadline(scripted, drip):
+    # A byte every 0.3 s never idles a read for 1 s: only a deadline over the whole reply ends it.
+    peer = scripted(drip)
+    start = time.monotonic()
+    with pytest.raises(TransportFailed, match="after 1 attempt .*no complete reply within the 1 s deadline") as err:
+        HTTPReward(peer.url, timeout_s=1.0, max_retries=0)(["p"], ["r"], _images(1))
+    assert time.monotonic() - start < 1.5
+    assert peer.url in str(err.value) and len(peer.requests) == 1
+
+
+def test_retries_stay_within_the_documented_budget(scripted):
+    peer = scripted(_drip_body)
+    budget = retry_budget(0.5, 2, 0.05)  # 3 deadlines of 0.5 s and waits of 0.05 s and 0.1 s
+    start = time.monotonic()
+    with pytest.raises(TransportFailed, match="after 3 attempts"):
+        HTTPReward(peer.url, timeout_s=0.5, max_retries=2, backoff_s=0.05)(["p"], ["r"], _images(1))
+    assert budget - 0.1 < time.monotonic() - start < budget + 0.4
+    assert len(peer.requests) == 3
+
+
+def test_an_explicit_total_budget_cuts_the_retries_short(scripted):
+    peer = scripted(_drip_body)
+    start = time.monotonic()
+    with pytest.raises(TransportFailed, match="0.8 s time budget") as err:
+        post(peer.url, b"{}", deadline_s=0.5, max_retries=5, backoff_s=0.05, total_s=0.8)
+    # 0.5 s, a 0.05 s wait, then the second attempt gets only what is left of the 0.8 s; no third one.
+    assert time.monotonic() - start < 1.2 and err.value.attempts == 2 and len(peer.requests) == 2
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_never_followed(scripted, custom_server, status: int):
+    elsewhere = custom_server(lambda index, request: (200, _ok(request)))  # another origin: another port
+    peer = scripted(_reply(f"HTTP/1.1 {status} Moved\r\nLocation: {elsewhere}\r\nContent-Length: 0\r\n\r\n".encode()))
+    reward = HTTPReward(peer.url, headers={"Authorization": "Bearer secret"}, **FAST)
+    with pytest.raises(RequestRejected, match=f"HTTP {status} Moved redirecting to '{elsewhere}'.*not followed") as err:
+        reward(["p"], ["r"], _images(1))
+    assert err.value.status == status and peer.url in str(err.value)
+    assert custom_server.servers[0].calls[0] == 0 and custom_server.servers[0].seen == []
+    assert len(peer.requests) == 1 and "Authorization: Bearer secret" in peer.requests[0]
+
+
+def test_a_reply_declared_over_the_cap_is_refused_unread(scripted):
+    # It declares 1 GB and sends one byte: refused from the header at once, not waited for.
+    peer = scripted(_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000000\r\n\r\n{"))
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="larger than the 1000-byte cap") as err:
+        HTTPReward(peer.url, max_reply_bytes=1000, **FAST)(["p"], ["r"], _images(1))
+    assert not isinstance(err.value, TransportFailed | RequestRejected)
+    assert time.monotonic() - start < 1.0 and len(peer.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b" " * 5000,
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b" " * 1024 + b"\r\n" + b"0\r\n\r\n",
+    ],
+    ids=["until-close", "chunked"],
+)
+def test_a_reply_sent_over_the_cap_is_refused(scripted, raw: bytes):
+    peer = scripted(_reply(raw))
+    with pytest.raises(RewardServerError, match="larger than the 1000-byte cap"):
+        post(peer.url, b"{}", deadline_s=2.0, max_reply_bytes=1000)
+    assert len(peer.requests) == 1
+
+
+def test_a_reply_at_the_cap_is_accepted(scripted):
+    body = json.dumps({"scores": [0.25]}).encode()
+    peer = scripted(_reply(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body))
+    assert HTTPReward(peer.url, max_reply_bytes=len(body), **FAST)(["p"], ["r"], _images(1)) == [0.25]
+
+
+def test_a_truncated_reply_is_retried(scripted):
+    peer = scripted(_reply(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b'{"scores": [1]}'))
+    with pytest.raises(TransportFailed, match="after 2 attempts .*IncompleteRead"):
+        post(peer.url, b"{}", deadline_s=2.0, max_retries=1, backoff_s=0.01)
+    assert len(peer.requests) == 2
+
+
+# ------------------------------------------------------------------ transport: proxies from the environment
+PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "no_proxy")
+
+
+@pytest.fixture
+def clean_proxy_env(monkeypatch) -> pytest.MonkeyPatch:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    return monkeypatch
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:  # a port that was just free and now has no listener
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_loopback_bypasses_the_environment_proxy(clean_proxy_env, reference_server: str):
+    clean_proxy_env.setenv("http_proxy", f"http://127.0.0.1:{_free_port()}")  # a proxy that is down
+    images = _images(1)
+    assert HTTPReward(reference_server, **FAST)(["p"], ["r"], images) == pytest.approx(
+        Brightness()(["p"], ["r"], images), abs=1e-6
+    )
+
+
+def test_another_host_goes_through_the_http_proxy(clean_proxy_env, scripted):
+    proxy = scripted(_reply(b'HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{"ok": 1}'))
+    clean_proxy_env.setenv("http_proxy", proxy.url.replace("http://", "http://user:pw@"))
+    assert post("http://reward.invalid:8000/score?x=1", b"{}", deadline_s=2.0) == b'{"ok": 1}'
+    head = proxy.requests[0]
+    assert head.startswith("POST http://reward.invalid:8000/score?x=1 HTTP/1.1\r\n")
+    assert "Host: reward.invalid:8000" in head and "Proxy-Authorization: Basic dXNlcjpwdw==" in head
+
+
+def test_https_through_a_proxy_is_tunnelled_without_the_request_headers(clean_proxy_env, scripted):
+    proxy = scripted(_reply(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n"))
+    clean_proxy_env.setenv("https_proxy", proxy.url)
+    with pytest.raises(TransportFailed, match="Tunnel connection failed: 403"):
+        post("https://reward.invalid/v1", b"{}", {"Authorization": "Bearer secret"}, deadline_s=2.0)
+    assert proxy.requests[0].startswith("CONNECT reward.invalid:443 HTTP/1.") and "secret" not in proxy.requests[0]
+
+
+def test_no_proxy_is_honored(clean_proxy_env, scripted):
+    proxy = scripted(_reply(b""))
+    clean_proxy_env.setenv("http_proxy", proxy.url)
+    parts = urllib.parse.urlsplit("http://reward.invalid:8000/score")
+    deadline = time.monotonic() + 1
+    assert transport._connection(parts, deadline)[0].host == "127.0.0.1"  # the proxy
+    clean_proxy_env.setenv("no_proxy", "reward.invalid")
+    conn, target, _ = transport._connection(parts, deadline)
+    assert (conn.host, conn.port, target) == ("reward.invalid", 8000, "/score")  # direct
+
+
+def test_post_validates_its_arguments():
+    with pytest.raises(ValueError, match="http:// or https://"):
+        post("ftp://127.0.0.1/", b"", deadline_s=1.0)
+    with pytest.raises(ValueError, match="deadline_s > 0"):
+        post("http://127.0.0.1:1/", b"", deadline_s=0)
+    assert transport.is_loopback("127.0.0.2") and transport.is_loopback("::1") and transport.is_loopback("localhost")
+    assert not transport.is_loopback("10.0.0.1") and not transport.is_loopback("127.example.com")

@@ -299,6 +299,25 @@ def test_plan_command_refuses_a_missing_recipe_in_one_line(capsys):
     assert err[0] == "error: --config no/such/recipe.yaml: no such file"
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--data.init_args.prompts_per_step=-4", "error: data: prompts_per_step must be >= 1, got -4"),
+        ("--data.prompts_per_step=0", "error: data: prompts_per_step must be >= 1, got 0"),
+        ("--data.val_batch_size=0", "error: data: val_batch_size must be >= 1, got 0"),
+        ("--data.prompts_per_step=two", "error: data: prompts_per_step must be an integer, got 'two'"),
+    ],
+)
+def test_plan_refuses_a_count_fit_refuses_in_one_line(override, message, capsys):
+    # Was an IndexError traceback from the refiner's decode trace; now the data module's own check, before tracing.
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", str(ROOT / "recipes" / "sd35.yaml"), override, "--no-search", "--quiet"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[0] == message and captured.out == ""
+    assert "Traceback" not in captured.err
+
+
 def test_a_missing_model_folder_is_an_error_not_the_shipped_default():
     """A folder given on the command line must exist (or name a shipped config); the recipe's hub id maps
     to the shipped config of that name, and a recipe without one falls back to the family's default."""

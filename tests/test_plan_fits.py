@@ -115,14 +115,14 @@ def test_per_rank_sizes_divide_the_step_over_the_devices():
 
 def test_plan_counts_the_in_process_reward_models():
     """sd35_pickscore's PickScore runs on the trainer's GPU: its CLIP ViT-H/14 is built at the published size
-    (986M parameters) in the recipe's bf16; OCR and the format rule hold nothing on the device."""
+    (986M parameters) in the recipe's float32; OCR and the format rule hold nothing on the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     pick = step_recipe(read_recipes([str(RECIPES / "sd35_pickscore.yaml")]))
     (term,) = planned_rewards(pick.rewards, FakeTensorMode())
     assert term.name == "pickscore" and term.on_device and term.batch_size == 32
     assert abs(term.parameters - 986.1e6) <= 0.01 * 986.1e6, term.parameters
-    assert abs(term.weight_bytes - 2 * term.parameters) <= 0.01 * term.weight_bytes  # bf16
+    assert abs(term.weight_bytes - 4 * term.parameters) <= 0.01 * term.weight_bytes  # float32
     assert "ViT-H/14" in term.line() and "GiB" in term.line()
     ocr = step_recipe(read_recipes([str(RECIPES / "sd35_ocr.yaml")]))
     terms = planned_rewards(ocr.rewards, FakeTensorMode())

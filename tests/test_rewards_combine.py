@@ -40,13 +40,25 @@ def never(prompts, refined, images) -> list[float]:
 def test_group_normalize_by_hand():
     values = torch.tensor([1.0, 2.0, 3.0, 10.0, 10.0])
     out = group_normalize(values, torch.tensor([0, 0, 0, 1, 1]), eps=1e-4)
-    std = math.sqrt(2 / 3)  # population std of 1, 2, 3
+    std = float(values.std(unbiased=False))  # the batch's population std scales every group
     expected = [-1 / (std + 1e-4), 0.0, 1 / (std + 1e-4), 0.0, 0.0]
     assert out.tolist() == pytest.approx(expected, abs=1e-6)
-    # Groups need not be contiguous, and a NaN is left out of its group's statistics.
+    # A given scale (the term's std over every rank) replaces the local one.
+    assert group_normalize(values, torch.tensor([0, 0, 0, 1, 1]), scale=2.0, eps=0.0).tolist() == [-0.5, 0, 0.5, 0, 0]
+    # Groups need not be contiguous, and a NaN is left out of the statistics: finite 1, 5, 3 have std sqrt(8/3).
     out = group_normalize(torch.tensor([1.0, 5.0, math.nan, 3.0]), torch.tensor([7, 2, 7, 7]), eps=0.0)
-    assert out[0].item() == pytest.approx(-1.0) and out[3].item() == pytest.approx(1.0)
+    s = math.sqrt(8 / 3)
+    assert out[0].item() == pytest.approx(-1 / s) and out[3].item() == pytest.approx(1 / s)
     assert out[1].item() == 0.0 and math.isnan(out[2].item())
+
+
+def test_a_nearly_solved_group_does_not_turn_its_one_miss_into_the_clip():
+    """23 samples at 1.0 and one at 0.95 next to a group with a spread: the group's own std (0.01) would make
+    the miss -4.9; the batch's keeps it a small negative."""
+    values = torch.cat([torch.ones(24), torch.linspace(0, 1, 24)])
+    values[5] = 0.95
+    out = group_normalize(values, torch.arange(48) // 24)
+    assert -0.5 < out[5].item() < 0 and out[:24].abs().max().item() < 0.5
 
 
 def test_weighted_sum_normalizes_each_term_in_its_group_before_weighting():
@@ -58,13 +70,22 @@ def test_weighted_sum_normalizes_each_term_in_its_group_before_weighting():
     by_hand = []
     for i in range(5):
         g = groups == groups[i]
-        za = (a[i] - a[g].mean()) / (a[g].std(unbiased=False) + 1e-4)
-        zb = (b[i] - b[g].mean()) / (b[g].std(unbiased=False) + 1e-4)
+        za = (a[i] - a[g].mean()) / (a.std(unbiased=False) + 1e-4)
+        zb = (b[i] - b[g].mean()) / (b.std(unbiased=False) + 1e-4)
         by_hand.append(float(2 * za + 0.5 * zb))
     assert parts.combined.tolist() == pytest.approx(by_hand, abs=1e-5)
     # Explicit groups (the trainer passes the prompt index) give the same as grouping by prompt text.
     _, explicit = fn(PROMPTS, PROMPTS, IMAGES, groups=torch.tensor([4, 4, 4, 9, 9]))
     assert torch.equal(explicit.combined, parts.combined)
+    # Under several ranks the trainer passes the all-rank std: it is each term's scale.
+    _, ranked = fn(PROMPTS, PROMPTS, IMAGES, batch_std=lambda v: torch.tensor(2.0))
+    by_rank = [
+        float(
+            2 * (a[i] - a[groups == groups[i]].mean()) / 2.0001 + 0.5 * (b[i] - b[groups == groups[i]].mean()) / 2.0001
+        )
+        for i in range(5)
+    ]
+    assert ranked.combined.tolist() == pytest.approx(by_rank, abs=1e-5)
     plain = WeightedSum({f"{HERE}.term_a": 2.0, f"{HERE}.term_b": 0.5})
     total_plain, parts_plain = plain(PROMPTS, PROMPTS, IMAGES)
     assert torch.equal(parts_plain.combined, total_plain), "without normalization advantages see the raw sum"
@@ -76,8 +97,10 @@ def test_normalized_combination_keeps_a_dropped_sample_nan_and_out_of_the_group_
     fn = WeightedSum({f"{HERE}.term_nan": 1.0}, nonfinite="drop", normalize="group")
     total, parts = fn(PROMPTS, PROMPTS, IMAGES)
     assert math.isnan(total[1]) and math.isnan(parts.combined[1])
-    # Group p keeps 1 and 3 (mean 2, std 1): -1 and +1; group q: 5 and 7 likewise.
-    assert parts.combined[[0, 2, 3, 4]].tolist() == pytest.approx([-1, 1, -1, 1], abs=1e-3)
+    # Group p keeps 1 and 3 (mean 2), group q 5 and 7 (mean 6): deviations -1, +1, -1, +1 over the kept
+    # values' std, sqrt(5) (1, 3, 5, 7).
+    s = math.sqrt(5)
+    assert parts.combined[[0, 2, 3, 4]].tolist() == pytest.approx([-1 / s, 1 / s, -1 / s, 1 / s], abs=1e-3)
 
 
 def test_term_stats_are_raw_mean_and_std_over_finite_values():
@@ -170,6 +193,8 @@ def test_the_trainer_computes_advantages_from_the_normalized_terms_and_logs_them
     (combined,) = seen
     # Each of the 4 prompts' 4 samples: two terms, each normalized to mean 0 within the group.
     assert combined.view(4, 4).sum(1).abs().max() < 1e-4, "group-normalized terms sum to 0 in each group"
+    # Grouped by text sample (one image each here) every value would be 0: the group is the prompt's.
+    assert combined.abs().max() > 0.1, combined
     assert combined.abs().max() < 2 * 101 / 1.0, "weights apply to unit-scale terms"
     rows = read_metrics(cli)
     assert 0.0 < series(rows, "reward/brightness")[0] < 1.0, "the term is logged raw"

@@ -1,24 +1,38 @@
 """The reference server serving registered rewards: concurrent requests batched into one reward call,
-served PickScore equal to PickScore in process, and (integration) a 2-step fit on the tiny SD3 pipeline
-whose rewards through the server equal the in-process ones."""
+served PickScore equal to PickScore in process, every refused request (its status, its JSON error, the
+connection closed, a concurrent good request still scored right), and (integration) a 2-step fit on the
+tiny SD3 pipeline whose rewards through the server equal the in-process ones."""
 
 from __future__ import annotations
 
+import base64
 import importlib
+import io
+import json
+import math
+import socket
+import struct
 import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from PIL import Image
 
 from tests.helpers import ROOT
 from tests.pipelines import make_sd3_pipeline
 from tests.test_rewards_clip import PROMPTS, _config, _save_processor
 from unirl_pl.cli import main
 from unirl_pl.rewards import Brightness, HTTPReward
+from unirl_pl.rewards.batcher import RequestBatcher
 from unirl_pl.rewards.clip_models import PickScore
-from unirl_pl.rewards.server import RequestBatcher, serve
+from unirl_pl.rewards.http import encode_images
+from unirl_pl.rewards.server import RewardHTTPServer, serve
 from unirl_pl.rewards.server import main as server_main
 
 FAST = {"timeout_s": 10.0, "max_retries": 1, "backoff_s": 0.01}
@@ -84,7 +98,7 @@ def test_the_batcher_keeps_image_sizes_apart_and_respects_the_batch_limit():
         batcher.close()
 
 
-def test_a_failing_reward_fails_every_request_of_its_batch():
+def test_a_failing_reward_fails_its_request():
     def broken(prompts, refined, images):
         raise RuntimeError("out of memory")
 
@@ -96,10 +110,336 @@ def test_a_failing_reward_fails_every_request_of_its_batch():
         batcher.close()
 
 
-def test_the_command_line_refuses_bad_reward_args(capsys):
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--reward", "brightness", "--reward-args", "{channel: 0"], "--reward-args is not JSON"),
+        (["--reward", "brightness", "--reward-args", "[0]"], "--reward-args must be a JSON object"),
+        (["--reward", "no_such_reward"], "unknown reward 'no_such_reward'"),
+        (["--reward", "brightness", "--reward-args", '{"colour": 0}'], "bad reward_args"),
+        (["--reward", "brightness", "--reward-args", '{"channel": 7}'], "channel must be 0, 1, 2 or None"),
+        (["--reward", "brightness", "--read-timeout-s", "0"], "read_timeout_s > 0"),
+    ],
+)
+def test_the_command_line_refuses_a_bad_start_in_one_line(capsys, argv: list[str], expected: str):
+    with pytest.raises(SystemExit) as exit_:
+        server_main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_the_command_line_names_every_limit(capsys):
     with pytest.raises(SystemExit):
-        server_main(["--reward", "brightness", "--reward-args", "{channel: 0"])
-    assert "--reward-args is not JSON" in capsys.readouterr().err
+        server_main(["--help"])
+    out = capsys.readouterr().out
+    for flag in ("--max-body-mb", "--read-timeout-s", "--max-image-pixels", "--max-request-pixels"):
+        assert flag in out
+
+
+# ------------------------------------------------------------------ refused requests
+# Each test sends one faulty request over a raw socket while a good request runs on another thread; the
+# fault must get its status and a JSON error on a connection the server then closes, and the good
+# request its right scores. The limits are small so that no test waits long.
+LIMITS = {
+    "max_body_bytes": 200_000,
+    "read_timeout_s": 0.5,
+    "max_image_pixels": 32 * 32,
+    "max_total_pixels": 16 * 16 * 8,
+}
+
+
+@pytest.fixture
+def start_server() -> Iterator[Callable[..., RewardHTTPServer]]:
+    """Factory: a running RewardHTTPServer on a free loopback port, with ``LIMITS`` unless given."""
+    servers: list[RewardHTTPServer] = []
+
+    def start(reward: Any = None, name: str = "brightness", **kwargs: Any) -> RewardHTTPServer:
+        server = RewardHTTPServer(("127.0.0.1", 0), reward or Brightness(), name, **{**LIMITS, **kwargs})
+        server.thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        server.thread.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def _address(url: str) -> tuple[str, int]:
+    host, port = url.split("//")[1].rstrip("/").split(":")
+    return host, int(port)
+
+
+def _exchange(
+    url: str, data: bytes, drip: bytes = b"", drip_every_s: float = 0.2, timeout: float = 5.0
+) -> tuple[int, dict[str, str], Any, float]:
+    """Send ``data`` (then ``drip`` one byte at a time) and read the reply until the server closes the
+    connection: (status, headers, the body as JSON, seconds until the connection closed). A server that
+    keeps the connection open fails the test by the socket timeout."""
+    with socket.create_connection(_address(url), timeout=timeout) as sock:
+        start = time.monotonic()
+        sock.sendall(data)
+        answered = threading.Event()
+
+        def trickle() -> None:
+            for byte in drip:
+                if answered.wait(drip_every_s):
+                    return
+                try:
+                    sock.sendall(bytes([byte]))
+                except OSError:
+                    return
+
+        dripper = threading.Thread(target=trickle, daemon=True)
+        dripper.start()
+        raw = b""
+        while chunk := sock.recv(65536):  # raises TimeoutError if the connection stays open
+            raw += chunk
+            answered.set()
+        answered.set()
+        elapsed = time.monotonic() - start
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return status, headers, json.loads(body), elapsed
+
+
+def _post_bytes(body: bytes, extra: str = "", length: int | str | None = None) -> bytes:
+    """A raw POST of ``body`` with ``Content-Length: length`` (default: the body's; "" for none)."""
+    declared = "" if length == "" else f"Content-Length: {len(body) if length is None else length}\r\n"
+    head = f"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{declared}{extra}\r\n"
+    return head.encode() + body
+
+
+def _request(images: list[Any], prompts: Any = None, refined: Any = None) -> bytes:
+    n = len(images)
+    prompts = [f"p{i}" for i in range(n)] if prompts is None else prompts
+    refined = [f"r{i}" for i in range(n)] if refined is None else refined
+    return json.dumps({"prompts": prompts, "refined_prompts": refined, "images": images}).encode()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _pil(fmt: str, size: int = 16) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), (10, 200, 30)).save(buf, format=fmt)
+    return _b64(buf.getvalue())
+
+
+def _png_header(width: int, height: int, idat: bytes = b"not a zlib stream") -> str:
+    """A PNG declaring width x height, cheap to build whatever the size. With the default data, decoding
+    fails (400), so only a check on the header made before decoding can refuse it as too large (413)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit grayscale
+    return _b64(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+
+
+GOOD = _images(2, seed=7, size=16)
+
+
+def _alongside_good_request(url: str, fault: Callable[[], Any]) -> Any:
+    """Run ``fault`` while a good request is sent from another thread at the same moment; check the good
+    one got the right scores, and return what ``fault`` returned."""
+    both = threading.Barrier(2, timeout=5)
+    out: dict[str, Any] = {}
+
+    def good() -> None:
+        both.wait()
+        try:
+            out["scores"] = HTTPReward(url, timeout_s=5.0, max_retries=0)(["a", "b"], ["a", "b"], GOOD)
+        except Exception as err:  # reported by the assertion below
+            out["error"] = err
+        out["at"] = time.monotonic()
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    both.wait()
+    result = fault()
+    thread.join(timeout=10)
+    assert "error" not in out, out.get("error")
+    assert out["scores"] == pytest.approx(Brightness()(["a", "b"], ["a", "b"], GOOD), abs=1e-6)
+    return result, out["at"]
+
+
+def _refused(url: str, data: bytes, status: int, expected: str, **kwargs: Any) -> tuple[dict[str, Any], float]:
+    """Send the faulty ``data`` alongside a good request and check the refusal; returns the JSON and the
+    seconds until the connection closed."""
+    (got, headers, body, elapsed), _ = _alongside_good_request(url, lambda: _exchange(url, data, **kwargs))
+    assert got == status, body
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert set(body) == {"error"} and expected in body["error"], body
+    return body, elapsed
+
+
+@pytest.mark.parametrize("fmt", ["BMP", "GIF", "TIFF"])
+def test_only_png_and_jpeg_are_decoded(start_server, fmt: str):
+    server = start_server()
+    _refused(server.url, _post_bytes(_request([_pil(fmt)])), 400, "images[0]: not a PNG or JPEG image")
+
+
+def test_png_and_jpeg_are_decoded(start_server):
+    server = start_server()
+    for fmt in ("png", "jpeg"):
+        client = HTTPReward(server.url, timeout_s=5.0, max_retries=0, image_format=fmt)
+        assert len(client(["a", "b"], ["a", "b"], GOOD)) == 2
+
+
+def test_a_decompression_bomb_is_refused_before_decoding(start_server):
+    server = start_server()
+    # 400 M pixels of zeros, the first rows' worth compressed: over PIL's own limit, which Image.open raises.
+    bomb = _png_header(20000, 20000, zlib.compress(b"\0" * 20001 * 100))
+    _refused(server.url, _post_bytes(_request([bomb])), 413, "image too large")
+
+
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header(start_server):
+    server = start_server()  # max_image_pixels 32 x 32
+    # 40 x 40 whose data is broken: decoding it would fail (400), so a 413 means the header was checked first.
+    body, _ = _refused(server.url, _post_bytes(_request([_png_header(40, 40)])), 413, "40x40")
+    assert "1024 pixels per image" in body["error"]
+
+
+def test_a_request_over_the_total_pixel_limit_is_refused(start_server):
+    server = start_server()  # max_total_pixels: 8 images of 16 x 16
+    images = encode_images(_images(9, seed=1, size=16))
+    _refused(server.url, _post_bytes(_request(images)), 413, "pixels in all")
+
+
+def test_a_body_over_the_size_limit_is_refused_unread(start_server):
+    server = start_server()
+    # Only the headers are sent: a server that waited for the body would answer 408, not 413.
+    data = _post_bytes(b"", length=LIMITS["max_body_bytes"] + 1)
+    _refused(server.url, data, 413, f"over the limit of {LIMITS['max_body_bytes']} bytes")
+
+
+def test_a_body_over_the_size_limit_is_refused_before_100_continue(start_server):
+    server = start_server()
+    data = _post_bytes(b"", "Expect: 100-continue\r\n", length=LIMITS["max_body_bytes"] + 1)
+    _refused(server.url, data, 413, "over the limit")  # the first status line read is the 413, not a 100
+
+
+@pytest.mark.parametrize(
+    ("extra", "length", "status", "expected"),
+    [
+        ("", "", 411, "a Content-Length header is required"),
+        ("Transfer-Encoding: chunked\r\n", "", 411, "chunked request bodies are not accepted"),
+        ("Content-Length: 7\r\n", None, 400, "bad Content-Length '2, 7'"),
+        ("", "2x", 400, "bad Content-Length '2x'"),
+    ],
+)
+def test_a_missing_or_bad_length_is_refused(start_server, extra: str, length: str | None, status: int, expected: str):
+    server = start_server()
+    _refused(server.url, _post_bytes(b"{}", extra, length), status, expected)
+
+
+def test_a_body_that_does_not_arrive_in_time_is_refused(start_server):
+    server = start_server()  # read_timeout_s 0.5
+    _, elapsed = _refused(server.url, _post_bytes(b"[1", length=1000), 408, "within 0.5 s (2 of 1000 bytes)")
+    assert elapsed < 3
+
+
+def test_a_trickled_body_is_held_to_one_deadline(start_server):
+    server = start_server()  # read_timeout_s 0.5; a byte every 0.2 s for 6 s never idles a read that long
+    data = _post_bytes(b"[", length=100)
+    _, elapsed = _refused(server.url, data, 408, "within 0.5 s", drip=b"1," * 15)
+    assert elapsed < 3
+
+
+def test_the_last_read_gets_only_what_is_left_of_the_deadline(start_server):
+    server = start_server(read_timeout_s=1.0)
+    # Bytes until 0.8 s, then nothing: the deadline answers at 1 s; a read given the full timeout would
+    # wait until 1.8 s.
+    data = _post_bytes(b"[", length=100)
+    _, elapsed = _refused(server.url, data, 408, "within 1 s", drip=b"1," * 4, drip_every_s=0.1)
+    assert elapsed < 1.5
+
+
+def test_a_good_request_is_answered_while_a_body_is_stalled(start_server):
+    server = start_server(read_timeout_s=1.5)
+
+    def stalled() -> tuple[int, float]:
+        return _exchange(server.url, _post_bytes(b"[1", length=1000))[0], time.monotonic()
+
+    (status, stall_ended), good_at = _alongside_good_request(server.url, stalled)
+    # The stalled request holds only its own thread: the good one is scored long before the stall ends.
+    assert status == 408 and good_at < stall_ended - 0.5
+
+
+def test_an_idle_connection_is_dropped(start_server):
+    server = start_server()  # read_timeout_s 0.5: the request line never comes
+    with socket.create_connection(_address(server.url), timeout=5) as sock:
+        start = time.monotonic()
+        assert sock.recv(100) == b""
+        assert time.monotonic() - start < 3
+
+
+def test_deeply_nested_json_is_a_bad_request(start_server):
+    server = start_server()
+    _refused(server.url, _post_bytes(b"[" * 100_000), 400, "nested too deeply")
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"{not json", "not JSON"),
+        (b"[1, 2]", "expected a JSON object, got list"),
+        (b'{"prompts": ["a"]}', "missing key 'refined_prompts', 'images'"),
+        (_request([_pil("PNG")], prompts=[1]), "'prompts' must be a list of strings"),
+        (_request([_pil("PNG")], refined="r"), "'refined_prompts' must be a list of strings"),
+        (_request([_pil("PNG")], prompts=[None]), "'prompts' must be a list of strings"),
+        (_request([_pil("PNG")] * 2, prompts=["a"]), "1 prompts, 2 refined prompts and 2 images differ"),
+        (_request(["!!!"]), "images[0]: not a base64-encoded image"),
+        (_request([_png_header(8, 8)]), "images[0]: cannot decode the image"),
+    ],
+)
+def test_a_malformed_request_is_a_bad_request(start_server, body: bytes, expected: str):
+    server = start_server()
+    _refused(server.url, _post_bytes(body), 400, expected)
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "expected"),
+    [
+        (b"PUT / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501, "Unsupported method ('PUT')"),
+        (b"GARBAGE\r\n\r\n", 400, "Bad request syntax"),
+        (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404, "unknown path '/nowhere'"),
+    ],
+)
+def test_the_server_s_own_errors_are_json(start_server, data: bytes, status: int, expected: str):
+    server = start_server()
+    _refused(server.url, data, status, expected)
+
+
+def _poisoned(prompts: list[str], refined: list[str], images: torch.Tensor) -> list[float]:
+    """Brightness, except that the prompt "raise" makes the call raise and "nan" scores NaN."""
+    if "raise" in prompts:
+        raise RuntimeError("poisoned prompt")
+    scores = images.mean(dim=(1, 2, 3)).tolist()
+    return [math.nan if p == "nan" else s for p, s in zip(prompts, scores, strict=True)]
+
+
+@pytest.mark.parametrize(("poison", "expected"), [("raise", "RuntimeError: poisoned prompt"), ("nan", "nan")])
+def test_one_bad_request_does_not_fail_its_batch_mates(start_server, poison: str, expected: str):
+    # A long batch window: the good request and the poisoned one are scored in one call first.
+    server = start_server(_poisoned, "poisoned", batch_wait_s=0.3)
+    data = _post_bytes(_request(encode_images(_images(1, seed=3, size=16)), prompts=[poison], refined=["r"]))
+    body, _ = _refused(server.url, data, 500, expected)
+    assert "reward 'poisoned'" in body["error"]
+    assert server.batcher.calls[0] == 3 and sorted(server.batcher.calls[1:]) == [1, 2], server.batcher.calls
+
+
+def test_a_batch_that_fails_alone_fails_once(start_server):
+    server = start_server(_poisoned, "poisoned")
+    data = _post_bytes(_request(encode_images(_images(1, size=16)), prompts=["raise"], refined=["r"]))
+    status, _, body, _ = _exchange(server.url, data)
+    assert status == 500 and "poisoned prompt" in body["error"]
+    assert server.batcher.calls == [1]  # one request alone is not scored twice
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,24 @@ def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
         ("2 cats and 3 dogs", None),  # ambiguous
         ("I cannot rate this image.", None),
         ("", None),
+        # A stated scale is not the score, and its dash is not a minus sign.
+        ("On a score 1-10: 6", 6.0),
+        ("On a score of 1-10, I give it 6", 6.0),
+        ("Final Score (1-10): 7.5", 7.5),
+        # Out of range however it is written: labeled, as a ratio, negative.
+        ("Score: 15", None),
+        ("12/10", None),
+        ("-3", None),
+        # A ratio on another scale is not a score on this one.
+        ("4/5", None),
+        ("Score: 4/5", None),
+        ("<html><body><h1>502 Bad Gateway</h1></body></html>", None),
+        # A reasoning judge: the verdict is read, not the numbers of the reasoning.
+        ("<think>At first 3/10, then 2 details ...</think><answer>Score: 8</answer>", 8.0),
+        ("Composition 4/10 ... </think> Final score: 6", 6.0),
+        # UnifiedReward's dimensions: their mean.
+        ("Alignment Score (1-5): 4\nCoherence Score (1-5): 5\nStyle Score (1-5): 2", 11 / 3),
+        ("Alignment Score (1-5): 4\nCoherence Score (1-5): 12\nStyle Score (1-5): 2", None),
     ],
 )
 def test_parse_score(reply, expected):
@@ -142,6 +160,22 @@ def test_parse_yes_no(reply, expected):
         ("2 is better than 1", 1),
         ("10", None),
         ("both", None),
+        # The verdict, wherever the image it names first stands in the sentence.
+        ("image 2 is clearly better than image 1", 1),
+        ("Image 1 is worse than image 2", 1),
+        ("The first image is better.", 0),
+        ("I prefer image 2.", 1),
+        ("Image 1, because image 2 is blurry", 0),
+        ("Image 1 is better. No wait, image 2 is better.", None),
+        ('{"winner": 2}', 1),
+        ('{"better": "Image 1"}', 0),
+        ('{"winner": true}', None),
+        # UnifiedReward-Think: the reasoning scores both images; the answer tag decides.
+        (
+            "<think>1. Semantic consistency:\n Image 1 (9/10) ...\n Image 2 (7/10) ...\nTotal score:\nImage 1: 9+8=17\n"
+            "Image 2: 7+9=16</think>\n<answer>Image 2 is better</answer>",
+            1,
+        ),
     ],
 )
 def test_parse_choice(reply, expected):
@@ -158,7 +192,7 @@ def test_score_template_sends_the_chat_format_and_parses_each_reply(judge_server
     assert judge(prompts, ["rewritten"] * 3, images) == [7.0, 8.0, 3.0]
     assert stats["paths"] == {"/v1/chat/completions"}
     request = next(r for r in stats["requests"] if "a red cat" in _text(r))
-    assert request["model"] == "unified-reward" and request["temperature"] == 0.0 and request["max_tokens"] == 16
+    assert request["model"] == "unified-reward" and request["temperature"] == 0.0 and request["max_tokens"] == 512
     assert "from 1 to 10" in _text(request) and "rewritten" not in _text(request), "the original prompt is judged"
     (pixels,) = _pixels(request)
     torch.testing.assert_close(pixels, images[0], rtol=0, atol=0)  # the data URL holds the exact image
@@ -221,12 +255,36 @@ def test_a_garbled_reply_is_nan_for_that_sample_only(judge_server):
         return chat("6")
 
     url, _ = judge_server(reply)
-    judge = VLMJudge(url=url, model="m", **FAST)
+    judge = VLMJudge(url=url, model="m", max_unreadable=0.75, **FAST)
     prompts = ["fine", "garbage", "rambling", "wrong shape"]
     with pytest.warns(UserWarning, match="3 of 4 samples got no score"):
         scores = judge(prompts, prompts, _images(4))
     assert scores[0] == 6.0 and all(math.isnan(s) for s in scores[1:])
     assert judge.failed == 3
+
+
+def test_a_judge_answering_nonsense_stops_the_call_naming_itself_and_quoting_a_reply(judge_server):
+    url, _ = judge_server(lambda r: chat("Score: 15") if "BAD" in _text(r) else chat("7"))
+    judge = VLMJudge(url=url, model="m", **FAST)
+    with pytest.raises(RewardServerError, match=r"VLM judge .*: 2 of 3 requests gave no score .*'Score: 15'"):
+        judge(["a", "BAD1", "BAD2"], ["a"] * 3, _images(3))
+    assert (
+        VLMJudge(url=url, model="m", max_unreadable=0.7, **FAST)(["a", "BAD1", "BAD2"], ["a"] * 3, _images(3))[0] == 7.0
+    )
+    # Exactly at the threshold still scores: the check is "above".
+    with pytest.warns(UserWarning, match="1 of 2 samples"):
+        assert VLMJudge(url=url, model="m", **FAST)(["a", "BAD"], ["a"] * 2, _images(2))[0] == 7.0
+
+
+def test_a_reply_cut_at_max_tokens_is_warned_about(judge_server):
+    def cut(request: dict) -> tuple[int, bytes]:
+        body = {"choices": [{"message": {"content": "Let me think about the"}, "finish_reason": "length"}]}
+        return 200, json.dumps(body).encode()
+
+    url, _ = judge_server(cut)
+    with pytest.warns(UserWarning, match="1 of 1 replies were cut at max_tokens=8"):
+        scores = VLMJudge(url=url, model="m", max_tokens=8, max_unreadable=1.0, **FAST)(["a"], ["a"], _images(1))
+    assert math.isnan(scores[0])
 
 
 def test_a_stalled_request_times_out_to_nan_and_the_others_are_scored(judge_server):
@@ -287,7 +345,61 @@ def test_nan_from_the_judge_goes_through_the_nonfinite_policy(judge_server):
         WeightedSum({"vlm_judge": 0.5}, args)(prompts, prompts, _images(3))
 
 
+def test_an_always_first_judge_gives_the_refined_and_unrefined_samples_equal_reward(judge_server):
+    """Rollout order puts a prompt's unrefined samples first; a judge that always answers "1" must not turn
+    that order into a reward against the refiner."""
+    url, stats = judge_server(lambda r: chat("1"))
+    prompts = [f"p{g}" for g in range(16) for _ in range(4)]  # 16 groups: 2 unrefined, then 2 refined
+    images = _images(64, seed=3)
+    unrefined = [i for i in range(64) if i % 4 < 2]
+    refined = [i for i in range(64) if i % 4 >= 2]
+
+    both = VLMJudge(url=url, model="m", template="pairwise", both_orders=True, **FAST)(prompts, prompts, images)
+    assert both == [0.5] * 64, "each pair asked both ways: the bias cancels exactly"
+
+    once = VLMJudge(url=url, model="m", template="pairwise", **FAST)(prompts, prompts, images)
+    gap = sum(once[i] for i in unrefined) / 32 - sum(once[i] for i in refined) / 32
+    # Shown in batch order the first sample of each group would win all 3 of its games and the gap would be 0.5.
+    assert abs(gap) < 0.15, gap
+    assert len(stats["requests"]) == 16 * 6 * 2 + 16 * 6, "both orders: twice the pairs; otherwise once each"
+
+
+def test_the_pairwise_order_depends_on_the_pair_not_on_its_place_in_the_batch(judge_server):
+    url, stats = judge_server(lambda r: chat("1"))
+    images = _images(4, seed=5)
+    judge = VLMJudge(url=url, model="m", template="pairwise", **FAST)
+    forward = judge(["p"] * 4, ["p"] * 4, images)
+    backward = judge(["p"] * 4, ["p"] * 4, images.flip(0))
+    assert forward == backward[::-1], "the same images get the same win rates in any batch order"
+
+
+def test_presets_send_unifiedrewards_formats_and_read_its_replies(judge_server):
+    url, stats = judge_server(
+        lambda r: chat("Alignment Score (1-5): 5\nCoherence Score (1-5): 4\nStyle Score (1-5): 3")
+    )
+    judge = VLMJudge(url=url, model="m", preset="unifiedreward", **FAST)
+    assert judge(["a cat"], ["a cat"], _images(1)) == [4.0]
+    assert "Alignment Score (1-5)" in _text(stats["requests"][0]) and "[a cat]" in _text(stats["requests"][0])
+
+    def think(request: dict) -> tuple[int, bytes]:
+        first, second = _pixels(request)
+        better = 1 if first.mean() > second.mean() else 2
+        return chat(f"<think>Image 1 (6/10) ... Image 2 (8/10)</think>\n<answer>Image {better} is better</answer>")
+
+    url, stats = judge_server(think)
+    judge = VLMJudge(url=url, model="m", preset="unifiedreward_think", **FAST)
+    levels = torch.stack([torch.full((3, 8, 8), v) for v in (0.2, 0.9, 0.5)])
+    assert judge(["p"] * 3, ["p"] * 3, levels) == [0.0, 1.0, 0.5]
+    assert stats["requests"][0]["max_tokens"] == 2048 and "<answer>" in _text(stats["requests"][0])
+    with pytest.raises(ValueError, match="preset 'unifiedreward' is the 'score' template"):
+        VLMJudge(url=url, model="m", preset="unifiedreward", template="pairwise")
+
+
 def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="pairwise template compares the images of one prompt"):
+        VLMJudge(url="http://127.0.0.1:1/v1", model="m", template="pairwise", prompt="refined")
+    with pytest.raises(ValueError, match="max_unreadable must be in"):
+        VLMJudge(url="http://127.0.0.1:1/v1", model="m", max_unreadable=1.5)
     with pytest.raises(ValueError, match="template must be"):
         VLMJudge(url="http://127.0.0.1:1/v1", model="m", template="likert")
     with pytest.raises(ValueError, match="url must start with"):
@@ -330,3 +442,61 @@ def test_a_fit_with_a_stalling_judge_drops_the_stalled_samples_and_trains_on_the
     assert all(math.isfinite(v) for v in series(rows, "reward/vlm_judge")), "the others were scored"
     assert cli.model.ledger["transformer"] == 2 and cli.model.ledger["llm"] == 2, "both steps trained"
     assert len(stats["requests"]) == 2 * 16, "one request per image of the tiny recipe's 4 x 4 samples"
+
+
+def test_a_judge_that_drips_its_reply_is_cut_off_at_the_deadline():
+    """Headers at once, then the body a byte every 0.3 s: one attempt may take timeout_s, body included."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    done = threading.Event()
+
+    def drip() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n")
+            while not done.wait(0.3):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    threading.Thread(target=drip, daemon=True).start()
+    judge = VLMJudge(url=f"http://127.0.0.1:{server.getsockname()[1]}/v1", model="m", timeout_s=1.0, max_retries=0)
+    start = time.monotonic()
+    with pytest.raises(RewardServerError, match="all 1 requests failed"):
+        judge(["a"], ["a"], _images(1))
+    done.set()
+    server.close()
+    assert time.monotonic() - start < 2.0
+
+
+def test_a_redirect_to_another_origin_never_receives_the_token(judge_server, monkeypatch):
+    """A judge answering 302 to another host:port: the request is not followed, the token never leaves."""
+    other_url, other = judge_server(lambda r: chat("9"))
+    seen_auth: list[str | None] = []
+
+    class Redirect(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            seen_auth.append(self.headers.get("Authorization"))
+            self.send_response(302)
+            self.send_header("Location", other_url + "/chat/completions")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    monkeypatch.setenv("UNIRL_JUDGE_KEY", "secret-token")
+    judge = VLMJudge(url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="m", api_key_env="UNIRL_JUDGE_KEY")
+    try:
+        with pytest.raises(RewardServerError, match="redirect"):
+            judge(["a", "b"], ["a", "b"], _images(2))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen_auth and all(a == "Bearer secret-token" for a in seen_auth), "the configured URL gets the token"
+    assert other["requests"] == [], "the redirect target got nothing"

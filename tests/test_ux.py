@@ -297,6 +297,8 @@ def test_help_names_the_command_and_test_is_gone(capsys):
 def test_threads_default_to_one_unless_set(monkeypatch):
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    # A CPU run, on any machine (tests/test_threads.py has the GPU side).
+    monkeypatch.setattr("unirl_pl.threads.gpu_visible", lambda env=None: False)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     set_threads()
     assert calls == [] and os.environ["OMP_NUM_THREADS"] == "3"

@@ -13,7 +13,8 @@ single-optimizer auto-configuration is off. Unknown or mistyped keys are errors.
 
 What the command line adds to LightningCLI:
 
-- one intra-op thread per process unless ``OMP_NUM_THREADS`` is set (:mod:`unirl_pl.threads`);
+- on a CPU run (no GPU visible, or ``trainer.accelerator: cpu``) one intra-op thread per process unless
+  ``OMP_NUM_THREADS`` is set (:mod:`unirl_pl.threads`);
 - input paths of a recipe resolve relative to the recipe or the package (:mod:`unirl_pl.paths`);
 - only ``fit`` creates a logger version folder and saves ``config.yaml``; ``validate`` and
   ``predict`` run without a logger unless ``--trainer.logger`` is given on the command line;
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
@@ -47,6 +49,7 @@ from unirl_pl.option_hints import option_homes, refused_option
 from unirl_pl.paths import resolve_inputs, search_roots
 from unirl_pl.threads import set_threads
 
+_PACKAGE = Path(__file__).resolve().parent
 _UNION = "Does not validate against any of the Union subtypes"
 _CONFIG_ERRORS = (argparse.ArgumentError, ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError)
 
@@ -74,20 +77,37 @@ def config_error_message(err: BaseException) -> str:
         found = re.match(r'\s*Parser key "([^"]+)"', str(exc))
         if found and (not keys or keys[-1] != found.group(1)):
             keys.append(found.group(1))
-    message = ""
-    for exc in reversed(chain):
-        lines = [
-            line.strip()
-            for line in _unquote(str(exc).strip()).splitlines()
-            if not re.match(r'\s*(Parser key "[^"]+"|Problem with given class_path .*):\s*$', line)
-        ]
-        text = " ".join(line for line in lines if line)
-        if text and _UNION not in text:
-            message = text
-            break
+    texts = [_message_text(exc) for exc in chain]
+    message = next((t for t in reversed(texts) if t and _UNION not in t), "")
+    # A message the project wrote around a library's error ("install the extra ...") is the one to show, with
+    # the library's after it: the outermost one raised in unirl_pl/ whose text is not a dump.
+    ours = next((i for i, exc in enumerate(chain) if _raised_here(exc) and texts[i] and _UNION not in texts[i]), None)
+    if ours is not None:
+        message = texts[ours]
+        cause = next((t for t in reversed(texts[ours + 1 :]) if t and _UNION not in t), "")
+        if cause and cause not in message:
+            message = f"{message} (cause: {cause})"
     message = message or " ".join(str(err).split())
     key = ".".join(keys)
     return f"{key}: {message}" if key and not message.startswith(key) else message
+
+
+def _message_text(exc: BaseException) -> str:
+    """``exc``'s message on one line, without jsonargparse's ``Parser key "..."`` header lines."""
+    lines = [
+        line.strip()
+        for line in _unquote(str(exc).strip()).splitlines()
+        if not re.match(r'\s*(Parser key "[^"]+"|Problem with given class_path .*):\s*$', line)
+    ]
+    return " ".join(line for line in lines if line)
+
+
+def _raised_here(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by this package's code (its innermost traceback frame is in unirl_pl/)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(_PACKAGE)
 
 
 def _unquote(text: str) -> str:
@@ -189,6 +209,10 @@ class UniRLCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs: Any):
         trainer = super().instantiate_trainer(**kwargs)
+        if isinstance(trainer.accelerator, CPUAccelerator):
+            # A CPU run on a machine with a GPU: main's set_threads saw the GPU and left torch's default; one
+            # thread as on any CPU run (a no-op when OMP_NUM_THREADS is set). Before fit, so DDP ranks inherit it.
+            set_threads(cpu=True)
         if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             # A crash while writing must leave the previous checkpoint usable; a user-chosen IO is kept.
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()

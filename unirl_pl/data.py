@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from unirl_pl.errors import InputError
-from unirl_pl.layout import GroupLayout
+from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.manifest import verify_assets
 
 DEFAULT_PROMPTS = (
@@ -216,12 +216,7 @@ class PromptDataModule(pl.LightningDataModule):
         val_seed: int | None = None,
     ) -> None:
         super().__init__()
-        if prompts_per_step < 1:
-            raise ValueError(f"prompts_per_step must be >= 1, got {prompts_per_step}")
-        if val_batch_size < 1:
-            raise ValueError(f"val_batch_size must be >= 1, got {val_batch_size}")
-        if val_images_per_prompt < 1:
-            raise ValueError(f"val_images_per_prompt must be >= 1, got {val_images_per_prompt}")
+        check_prompt_counts(prompts_per_step, val_batch_size, val_images_per_prompt)
         self.layout = GroupLayout(samples_per_prompt, num_skip_refinement, images_per_refinement)
         self.train_prompts = load_prompts(prompts)
         self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)

@@ -27,25 +27,10 @@ from typing import Any
 import torch
 import yaml
 
-ADAPTER_DIRS = {"llm": "llm", "transformer": "transformer"}
+from unirl_pl.adapters import ADAPTER_DIRS, export_adapters
 
-
-def export_adapters(module: Any, out_dir: str | Path) -> dict[str, Path]:
-    """Write every built expert adapter of ``module`` (a ``UniRLModule``) under ``out_dir``; return the paths.
-
-    Both experts are written even when the mode froze one, so a folder is always a complete policy.
-    """
-    out = Path(out_dir)
-    written = {}
-    for name, sub in ADAPTER_DIRS.items():
-        expert = module.experts().get(name)
-        if expert is None or not expert.is_built:
-            continue
-        path = out / sub
-        path.mkdir(parents=True, exist_ok=True)
-        expert.save_adapter(str(path))
-        written[name] = path
-    return written
+# The adapter writer is shared with the AdapterExport callback (unirl_pl.adapters); kept importable from here.
+__all__ = ["ADAPTER_DIRS", "export_adapters", "load_checkpoint_into", "main"]
 
 
 def load_checkpoint_into(module: Any, ckpt_path: str | Path) -> dict[str, Any]:
@@ -69,6 +54,9 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     args = parser.parse_args(argv)
     if not Path(args.ckpt).is_file():
         parser.error(f"checkpoint {args.ckpt!r} does not exist")
+    # Lightning loads here, with the CLI, not when the module is imported: ``--help`` stays quick. The CLI does
+    # not import this module (tests/test_import_graph.py keeps it so).
+    from unirl_pl.callbacks.ema import STATE_KEY, apply_checkpoint_ema
     from unirl_pl.cli import main as cli_main
 
     # Only model and data matter here; a config saved by ``fit`` also holds fit-only keys (ckpt_path).
@@ -79,9 +67,6 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
         path.write_text(yaml.safe_dump(kept))
         cli = cli_main(["--config", str(path), "--trainer.logger=false"], run=False)
     checkpoint = load_checkpoint_into(cli.model, args.ckpt)
-    # Here, not at the top: unirl_pl.callbacks imports this module (AdapterExport).
-    from unirl_pl.callbacks.ema import STATE_KEY, apply_checkpoint_ema
-
     ema = None if args.raw else apply_checkpoint_ema(cli.model, checkpoint)
     if ema is not None:
         experts = ", ".join(ema["components"])

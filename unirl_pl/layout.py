@@ -11,6 +11,24 @@ import torch
 from torch import Tensor
 
 
+def check_prompt_counts(prompts_per_step: int = 4, val_batch_size: int = 8, val_images_per_prompt: int = 1) -> None:
+    """Refuse a data module's prompt counts that are not positive integers.
+
+    The one check of these settings: ``PromptDataModule`` runs it when ``fit`` builds the data, and ``plan``
+    on the recipe it reads without building anything, so both refuse the same values with the same words.
+    """
+    for name, value in (
+        ("prompts_per_step", prompts_per_step),
+        ("val_batch_size", val_batch_size),
+        ("val_images_per_prompt", val_images_per_prompt),
+    ):
+        # fit's parser checks the type already; plan reads raw YAML, where a string or a float may come.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an integer, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """Samples per prompt: K text samples (``skip`` of them unrefined) and M images per text sample.

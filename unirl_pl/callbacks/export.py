@@ -6,7 +6,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
-from unirl_pl.export import export_adapters
+from unirl_pl.adapters import export_adapters
 
 
 class AdapterExport(pl.Callback):

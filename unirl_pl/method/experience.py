@@ -77,7 +77,7 @@ class ExperienceSource:
         self, latents: Tensor, prompts: list[str], refined: list[str], groups: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
-        extra: dict = {"groups": groups} if self._normalizes else {}
+        extra: dict = {"groups": groups, "batch_std": self.batch_std} if self._normalizes else {}
         if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
             images, extra["pending"] = decode_while_scoring(
                 self.conditioning.decode, latents, self._chunk, self._remote, prompts, refined
@@ -194,7 +194,7 @@ class ExperienceSource:
             text_rewards=text_rewards.to(device),
             records=records,
             advantages=advantages,
-            reward_terms=term_stats(parts),
+            reward_terms=term_stats(parts, unscored=self.drop_nonfinite),
             zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
             images=images,
             fallback_frac=fallback_fraction(fell_back) if fell_back else None,  # no refinements: no metric

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import yaml
 
 from unirl_pl.algorithms import FlowGRPO, TokenGRPO
-from unirl_pl.layout import GroupLayout
+from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.method import ExpertLoss
 
@@ -150,7 +151,7 @@ def _algorithm(node: Any, default: type, key: str) -> Any:
     return _build(import_class(node["class_path"]), _args(node), key)
 
 
-def _build(factory: type, args: dict[str, Any], key: str) -> Any:
+def _build(factory: Callable[..., Any], args: dict[str, Any], key: str) -> Any:
     try:
         return factory(**args)
     except (TypeError, ValueError) as err:
@@ -192,7 +193,10 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
     world = devices if devices is not None else trainer.get("devices", 1)
     if not isinstance(world, int) or world < 1:
         raise RecipeError(f"trainer.devices must be a positive number of ranks for a plan, got {world!r}")
-    prompts = int(data.get("prompts_per_step", 4))
+    # The data module's own check, so a count fit refuses is refused here too (not an IndexError mid-trace).
+    counts = ("prompts_per_step", "val_batch_size", "val_images_per_prompt")
+    _build(check_prompt_counts, {name: data[name] for name in counts if name in data}, "data")
+    prompts = data.get("prompts_per_step", 4)
     if prompts % world:
         raise RecipeError(f"data.prompts_per_step ({prompts}) must be divisible by the {world} ranks")
     return StepRecipe(

@@ -1,4 +1,8 @@
-"""Built-in rewards, the registry that names them, and the weighted sum a recipe configures."""
+"""Built-in rewards, the registry that names them, and the weighted sum a recipe configures.
+
+How a term's values are checked, averaged over frames and normalized within groups is in
+:mod:`unirl_pl.rewards.terms`; its public names are importable from here too, as they always were.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +18,34 @@ import torch
 from PIL import Image
 from torch import Tensor
 
-RewardFn = Callable[[list[str], list[str], Tensor], list[float]]
+from unirl_pl.rewards.terms import (
+    RewardFn,
+    RewardTerms,
+    as_values,
+    frame_mean,
+    group_normalize,
+    is_real,
+    term_stats,
+    unique_prompt_groups,
+)
+
+# The names other modules (the experience source, the reward server) and tests import from here.
+__all__ = [
+    "REGISTRY",
+    "Brightness",
+    "ContainsWord",
+    "RefinerFormat",
+    "RewardFn",
+    "RewardTerms",
+    "WeightedSum",
+    "group_normalize",
+    "jpeg_compressibility",
+    "jpeg_incompressibility",
+    "registered_rewards",
+    "resolve_reward",
+    "term_stats",
+    "unique_prompt_groups",
+]
 
 
 def _to_uint8(images: Tensor) -> np.ndarray:
@@ -202,45 +233,6 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
     return reward
 
 
-class RewardTerms(dict[str, Tensor]):
-    """Each term's raw values (N,) by reward name, as :class:`WeightedSum` returns them.
-
-    ``combined`` is what advantages should be computed from: the weighted sum of the raw terms, or with
-    ``normalize="group"`` the weighted sum of the group-normalized terms (NaN where the total is NaN).
-    """
-
-    combined: Tensor
-
-
-def group_normalize(values: Tensor, groups: Tensor, eps: float = 1e-4) -> Tensor:
-    """``(v - mean_g) / (std_g + eps)`` within each group ``g`` (population std), over the finite values;
-    non-finite values stay NaN. A group whose values are all equal becomes 0 whatever their level."""
-    v = values.double()
-    finite = torch.isfinite(v)
-    _, inverse = torch.unique(groups, return_inverse=True)
-    n = int(inverse.max()) + 1 if len(inverse) else 0
-    zeros = torch.zeros(n, dtype=v.dtype)
-    count = zeros.index_add(0, inverse, finite.to(v.dtype)).clamp_min(1)
-    clean = torch.where(finite, v, torch.zeros_like(v))
-    mean = zeros.index_add(0, inverse, clean) / count
-    dev = torch.where(finite, v - mean[inverse], torch.zeros_like(v))
-    std = (zeros.index_add(0, inverse, dev * dev) / count).sqrt()
-    # A sample at its group's mean is 0 even where the group has no spread (0/0 with eps=0).
-    out = torch.where(dev == 0, torch.zeros_like(dev), dev / (std[inverse] + eps))
-    return torch.where(finite, out, torch.nan).to(values.dtype)
-
-
-def term_stats(parts: dict[str, Tensor]) -> dict[str, float]:
-    """Each term's raw mean (``<name>``) and population std (``<name>_std``) over its finite values, the
-    numbers logged as ``reward/<name>`` and ``reward/<name>_std`` (NaN for a term with no finite value)."""
-    stats: dict[str, float] = {}
-    for name, values in parts.items():
-        finite = values[torch.isfinite(values)].double()
-        stats[name] = float(finite.mean()) if len(finite) else math.nan
-        stats[f"{name}_std"] = float(finite.std(unbiased=False)) if len(finite) else math.nan
-    return stats
-
-
 class WeightedSum:
     """The scalar reward: ``sum_i w_i * reward_i``, keeping each term's values for logging.
 
@@ -279,7 +271,7 @@ class WeightedSum:
         stray = set(reward_args) - set(weights)
         if stray:
             raise ValueError(f"reward_args given for rewards not in the weights: {sorted(stray)}")
-        bad_weights = {n: w for n, w in weights.items() if not _is_real(w) or not math.isfinite(w)}
+        bad_weights = {n: w for n, w in weights.items() if not is_real(w) or not math.isfinite(w)}
         if bad_weights:
             raise ValueError(f"reward weights must be finite numbers, got {bad_weights}")
         self.weights = dict(weights)
@@ -292,8 +284,8 @@ class WeightedSum:
         """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
         fn = self.terms[name]
         if images.ndim == 5 and not getattr(fn, "accepts_video", False):
-            return _frame_mean(name, fn, prompts, refined_prompts, images)
-        return _as_values(name, fn(prompts, refined_prompts, images), len(prompts), "samples")
+            return frame_mean(name, fn, prompts, refined_prompts, images)
+        return as_values(name, fn(prompts, refined_prompts, images), len(prompts), "samples")
 
     def __call__(
         self,
@@ -303,6 +295,7 @@ class WeightedSum:
         *,
         groups: Tensor | None = None,
         pending: dict[str, Callable[[], Tensor]] | None = None,
+        batch_std: Callable[[Tensor], Tensor | None] | None = None,
     ) -> tuple[Tensor, RewardTerms]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
@@ -310,13 +303,14 @@ class WeightedSum:
         With ``nonfinite="drop"`` a sample with a NaN/inf term has total NaN (its raw terms are kept).
         ``groups`` (N,) are the samples' group ids for ``normalize="group"`` (default: samples with the
         same prompt form a group). ``pending`` holds terms already being scored (during decode): name ->
-        a function returning their values, called here instead of the reward.
+        a function returning their values, called here instead of the reward. ``batch_std`` returns a term's
+        std over every rank (None on one process), the scale of ``normalize="group"``.
         """
         pending = pending or {}
         parts = RewardTerms()
         for name in self.terms:
             if name in pending:
-                parts[name] = _as_values(name, pending[name](), len(prompts), "samples")
+                parts[name] = as_values(name, pending[name](), len(prompts), "samples")
             else:
                 parts[name] = self.score_term(name, prompts, refined_prompts, images)
         bad = torch.zeros(len(prompts), dtype=torch.bool)
@@ -335,71 +329,26 @@ class WeightedSum:
         if self.normalize == "group":
             if groups is None:
                 _, groups = unique_prompt_groups(prompts)
-            parts.combined = self._combine(parts, bad, groups)
+            parts.combined = self._combine(parts, bad, groups, batch_std)
         if bad.any():
             self.dropped += int(bad.sum())
         return total, parts
 
-    def _combine(self, parts: dict[str, Tensor], bad: Tensor, groups: Tensor | None) -> Tensor:
+    def _combine(
+        self,
+        parts: dict[str, Tensor],
+        bad: Tensor,
+        groups: Tensor | None,
+        batch_std: Callable[[Tensor], Tensor | None] | None = None,
+    ) -> Tensor:
         """The weighted sum of the terms (group-normalized first when ``groups`` is given); NaN where bad."""
         total = torch.zeros(len(bad), dtype=torch.float32)
         for name, values in parts.items():
             v = torch.where(bad, torch.nan, values)
             if groups is not None:
-                v = group_normalize(v, groups)
+                # Every rank takes part in the gather; a dropped sample enters it at the mean of the kept ones.
+                kept = v[~bad]
+                filled = torch.where(bad, kept.mean() if len(kept) else 0.0, v)
+                v = group_normalize(v, groups, batch_std(filled) if batch_std is not None else None)
             total = total + self.weights[name] * torch.where(bad, 0.0, v)
         return torch.where(bad, torch.nan, total) if bad.any() else total
-
-
-def unique_prompt_groups(prompts: list[str]) -> tuple[list[str], Tensor]:
-    """The distinct prompts in first-seen order and each sample's group id (its prompt's index)."""
-    order = list(dict.fromkeys(prompts))
-    where = {p: i for i, p in enumerate(order)}
-    return order, torch.tensor([where[p] for p in prompts], dtype=torch.long)
-
-
-def _is_real(value: Any) -> bool:
-    """A real number: Python/numpy ints, floats and bools, or a one-element real tensor."""
-    if isinstance(value, Tensor):
-        return value.numel() == 1 and not value.dtype.is_complex
-    return isinstance(value, int | float | np.integer | np.floating | np.bool_)
-
-
-def _as_values(name: str, values: Any, expected: int, what: str) -> Tensor:
-    """A reward's output as a float32 (N,) CPU tensor; wrong counts and non-numbers are errors naming the reward."""
-    if isinstance(values, Tensor | np.ndarray):
-        if values.ndim != 1:
-            raise ValueError(f"reward {name!r} returned an array of shape {tuple(values.shape)}; it must be 1-D")
-        if isinstance(values, Tensor):
-            real = not values.dtype.is_complex
-        else:
-            real = values.dtype == np.bool_ or (
-                np.issubdtype(values.dtype, np.number) and not np.issubdtype(values.dtype, np.complexfloating)
-            )
-        if not real:
-            raise TypeError(f"reward {name!r} returned an array of {values.dtype}, not real numbers")
-        if len(values) != expected:
-            raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} {what}")
-        tensor = values.detach() if isinstance(values, Tensor) else torch.from_numpy(np.asarray(values))
-        return tensor.to(device="cpu", dtype=torch.float32)
-    if isinstance(values, str | bytes | dict) or not hasattr(values, "__len__"):
-        raise TypeError(f"reward {name!r} returned type {type(values).__name__}, not a list of numbers")
-    if len(values) != expected:
-        raise ValueError(f"reward {name!r} returned {len(values)} values for {expected} {what}")
-    for i, value in enumerate(values):
-        if not _is_real(value):
-            raise TypeError(
-                f"reward {name!r} returned {value!r} (type {type(value).__name__}) for sample {i}; "
-                "rewards must return real numbers"
-            )
-    return torch.tensor([float(v) for v in values], dtype=torch.float32)
-
-
-def _frame_mean(name: str, fn: RewardFn, prompts: list[str], refined: list[str], videos: Tensor) -> Tensor:
-    """An image reward on videos (N, F, 3, H, W): every frame scored with its video's prompts, then averaged.
-
-    Rewards that score videos themselves set ``accepts_video = True`` and get the 5-D tensor.
-    """
-    n, f = videos.shape[:2]
-    values = fn([p for p in prompts for _ in range(f)], [r for r in refined for _ in range(f)], videos.flatten(0, 1))
-    return _as_values(name, values, n * f, "frames").view(n, f).mean(1)

@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import base64
 import binascii
-import http.client
 import io
 import json
 import math
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from typing import Any
 
 import numpy as np
@@ -28,11 +23,18 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from unirl_pl.rewards.transport import MAX_REPLY_BYTES, RewardServerError, post
+
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
+# The only formats decode_images opens: PIL would otherwise try every plugin it has, and some (EPS)
+# hand the payload to external programs such as Ghostscript.
+DECODE_FORMATS = ("PNG", "JPEG")
+MAX_IMAGE_PIXELS = 4096 * 4096  # per image or video frame
+MAX_TOTAL_PIXELS = 2**28  # per request: 256 images of 1024x1024, about 3 GiB as float32 RGB
 
 
-class RewardServerError(RuntimeError):
-    """A reward server could not be reached, failed, or answered something that breaks the protocol."""
+class ImageTooLarge(ValueError):
+    """An image whose declared size is over the decoder's pixel limit (the server answers 413)."""
 
 
 def encode_images(images: Tensor, image_format: str = "png") -> list[str] | list[list[str]]:
@@ -60,30 +62,58 @@ def encode_images(images: Tensor, image_format: str = "png") -> list[str] | list
     return [[one(frame) for frame in clip] for clip in arr]
 
 
-def decode_images(items: list[Any]) -> Tensor:
+def decode_images(
+    items: list[Any], max_image_pixels: int = MAX_IMAGE_PIXELS, max_total_pixels: int = MAX_TOTAL_PIXELS
+) -> Tensor:
     """The inverse of :func:`encode_images`: float (N, 3, H, W) or (N, F, 3, H, W) in [0, 1].
 
-    Accepts plain base64 or ``data:image/...;base64,`` URIs. All images (and all frames) must share
-    one size, since rewards take a single stacked tensor; a ``ValueError`` says what is wrong.
+    Accepts plain base64 or ``data:image/...;base64,`` URIs of PNG or JPEG images only. All images (and
+    all frames) must share one size, since rewards take a single stacked tensor; a ``ValueError`` says
+    what is wrong. An image declaring more than ``max_image_pixels`` pixels, or a list declaring more
+    than ``max_total_pixels`` in all, raises :class:`ImageTooLarge` before any pixel is decompressed.
     """
     if not isinstance(items, list) or not items:
         raise ValueError("'images' must be a non-empty list")
+    total = 0
 
     def one(text: Any, where: str) -> np.ndarray:
+        nonlocal total
         if not isinstance(text, str):
             raise ValueError(f"{where}: expected a base64 string, got {type(text).__name__}")
         if text.startswith("data:"):
             text = text.partition(",")[2]
         try:
-            with Image.open(io.BytesIO(base64.b64decode(text, validate=True))) as img:
-                return np.array(img.convert("RGB"))
-        except (binascii.Error, ValueError, OSError) as err:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError) as err:
             raise ValueError(f"{where}: not a base64-encoded image ({err})") from None
+        try:
+            with Image.open(io.BytesIO(data), formats=DECODE_FORMATS) as img:
+                # Image.open reads the header only: refuse a decompression bomb before decoding it.
+                width, height = img.size
+                total += width * height
+                if width * height > max_image_pixels:
+                    raise ImageTooLarge(
+                        f"{where}: {width}x{height} is over the limit of {max_image_pixels} pixels per image"
+                    )
+                if total > max_total_pixels:
+                    raise ImageTooLarge(f"{where}: the images declare over {max_total_pixels} pixels in all")
+                return np.array(img.convert("RGB"))
+        except ImageTooLarge:
+            raise
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+            # PIL's own limit, checked inside Image.open (the warning is raised where warnings are errors).
+            raise ImageTooLarge(f"{where}: {err}") from None
+        except Image.UnidentifiedImageError:
+            raise ValueError(f"{where}: not a {' or '.join(DECODE_FORMATS)} image (the formats accepted)") from None
+        except Exception as err:  # truncated or corrupt data raises many types inside PIL: all the sender's fault
+            raise ValueError(f"{where}: cannot decode the image ({type(err).__name__}: {err})") from None
 
     is_video = isinstance(items[0], list)
     if any(isinstance(item, list) != is_video for item in items):
         raise ValueError("'images' mixes images (strings) and videos (lists of frames)")
     if is_video:
+        if not all(items):
+            raise ValueError("'images' has a video without frames")
         arrays = [np.stack([one(f, f"images[{i}][{j}]") for j, f in enumerate(clip)]) for i, clip in enumerate(items)]
     else:
         arrays = [one(item, f"images[{i}]") for i, item in enumerate(items)]
@@ -93,49 +123,32 @@ def decode_images(items: list[Any]) -> Tensor:
     return torch.from_numpy(np.stack(arrays)).movedim(-1, -3).float() / 255
 
 
-def _is_retryable(err: BaseException) -> bool:
-    """Timeouts, refused/reset/dropped connections and 5xx replies may pass on a retry; 4xx will not."""
-    if isinstance(err, urllib.error.HTTPError):
-        return err.code >= 500
-    # URLError wraps connect-time failures (refused, unreachable, DNS, connect timeout); a timeout
-    # while reading the reply surfaces as a bare TimeoutError, a dropped connection as an OSError
-    # or an http.client.HTTPException (RemoteDisconnected, IncompleteRead).
-    return isinstance(err, OSError | http.client.HTTPException)
-
-
-def _describe(err: BaseException) -> str:
-    if isinstance(err, urllib.error.HTTPError):
-        try:
-            body = err.read(500).decode("utf-8", "replace").strip()
-        except Exception:  # the body is only a hint; a broken one must not hide the status
-            body = ""
-        return f"HTTP {err.code} {err.reason}" + (f": {body}" if body else "")
-    if isinstance(err, urllib.error.URLError):
-        return f"{type(err.reason).__name__}: {err.reason}"
-    return f"{type(err).__name__}: {err}"
-
-
 class HTTPReward:
     """A reward computed by a remote server: POSTs the samples as JSON and returns the scores it sends back.
 
     Samples go in batches of ``batch_size`` as ``{"prompts", "refined_prompts", "images"}`` (images
     base64-encoded, videos as per-frame lists; see :func:`encode_images`) and each reply must be
-    ``{"scores": [...]}`` with one finite number per sample. Timeouts, connection errors and 5xx
-    replies are retried ``max_retries`` times with exponential backoff (``backoff_s``, then twice
-    that, ...); then, or at once on a 4xx or a malformed reply, a :class:`RewardServerError` names
-    the URL and what went wrong. Serve any registered reward with ``python -m
-    unirl_pl.rewards.server``, or speak the protocol from your own server (docs/rewards.md).
+    ``{"scores": [...]}`` with one finite number per sample. Each request must be answered in full
+    within ``timeout_s``; a timeout, a refused or dropped connection, a 5xx, a 408 or a 429 is retried
+    ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...), so one request
+    takes at most ``timeout_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` seconds. Then,
+    or at once on another 4xx, a redirect (never followed), a reply over ``max_reply_bytes`` or a
+    malformed reply, a :class:`RewardServerError` names the URL and what went wrong. Serve any
+    registered reward with ``python -m unirl_pl.rewards.server``, or speak the protocol from your own
+    server (docs/rewards.md).
 
     Args:
         url: Endpoint to POST to, e.g. ``http://127.0.0.1:8000/``.
-        timeout_s: Seconds to wait for each request (connect and reply).
+        timeout_s: Deadline of each request in seconds: connecting, sending, and receiving the whole
+            reply must all be done by then (a server trickling its reply cannot stretch it).
         max_retries: Further attempts after a failed one (0: try once).
         backoff_s: Wait before the first retry; doubles for each one after.
         batch_size: Samples per request, bounding request size and server memory.
         image_format: ``"png"`` (lossless after 8-bit quantization) or ``"jpeg"`` (smaller, lossy).
-        headers: Extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``.
+        headers: Extra HTTP headers, e.g. ``{"Authorization": "Bearer ..."}``; sent to ``url`` only.
         overlap: Let the trainer send a micro-batch's request while the next micro-batch decodes
             (decoding then goes ``batch_size`` images at a time; see :mod:`unirl_pl.rewards.overlap`).
+        max_reply_bytes: Largest reply accepted, so a misbehaving peer cannot exhaust memory.
     """
 
     accepts_video = True  # reads (N, F, 3, H, W) itself
@@ -150,44 +163,35 @@ class HTTPReward:
         image_format: str = "png",
         headers: dict[str, str] | None = None,
         overlap: bool = True,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
-        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1:
+        if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1 or max_reply_bytes < 1:
             raise ValueError(
-                f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1; got "
-                f"{timeout_s}, {max_retries}, {backoff_s}, {batch_size}"
+                f"need timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1, max_reply_bytes >= 1; "
+                f"got {timeout_s}, {max_retries}, {backoff_s}, {batch_size}, {max_reply_bytes}"
             )
         if image_format.lower() not in IMAGE_FORMATS:
             raise ValueError(f"image_format must be one of {sorted(IMAGE_FORMATS)}, got {image_format!r}")
         self.url, self.timeout_s, self.max_retries, self.backoff_s = url, timeout_s, max_retries, backoff_s
-        self.batch_size, self.image_format = batch_size, image_format.lower()
+        self.batch_size, self.image_format, self.max_reply_bytes = batch_size, image_format.lower(), max_reply_bytes
         # Per-sample scores from a server: safe to request chunk by chunk while the rest decodes.
         self.remote, self.overlap_chunk = overlap, batch_size
         self.headers = {"Content-Type": "application/json", **(headers or {})}
-        # A reward server on this machine must not be sent through an http_proxy from the
-        # environment (a common cluster setting that rarely lists loopback in no_proxy).
-        host = urllib.parse.urlsplit(url).hostname or ""
-        loopback = host in ("localhost", "::1") or host.startswith("127.")
-        self._bypass_proxy = loopback
 
     def _post(self, payload: bytes) -> bytes:
-        # Built per call (cheap) rather than kept, so the reward stays picklable for spawned workers.
-        opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if self._bypass_proxy else []))
-        last: BaseException | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=payload, headers=self.headers, method="POST")
-            try:
-                with opener.open(request, timeout=self.timeout_s) as reply:
-                    return reply.read()
-            except (OSError, http.client.HTTPException) as err:  # URLError and timeouts are OSErrors
-                last = err
-                if not _is_retryable(err):
-                    break
-        attempts = f"{attempt + 1} attempt" + ("s" if attempt else "")
-        raise RewardServerError(f"reward server {self.url} failed after {attempts}: {_describe(last)}") from last
+        # transport.post keeps no connection between calls, so the reward stays picklable for spawned workers.
+        return post(
+            self.url,
+            payload,
+            self.headers,
+            deadline_s=self.timeout_s,
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
+            max_reply_bytes=self.max_reply_bytes,
+            label="reward server",
+        )
 
     def _parse(self, body: bytes, n: int) -> list[float]:
         where = f"reward server {self.url}"

@@ -5,7 +5,9 @@ point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path) take
 "refined_prompts", "images"}`` and answers ``{"scores": [...]}``; ``GET /health`` answers ``{"status":
 "ok", "reward": name}``. Concurrent requests (several trainer ranks, or one client's overlapping calls)
 are batched: one worker thread scores the requests that arrived within ``batch_wait_s`` of each other
-in one call of the reward, up to ``max_batch_size`` samples. It is also the template for wrapping a
+in one call of the reward, up to ``max_batch_size`` samples. Requests are bounded (body size, body read
+time, PNG/JPEG only, pixels per image and per request); every refusal is a JSON ``{"error": ...}`` with
+its 4xx/5xx status, and the connection is closed after it. It is also the template for wrapping a
 model whose dependencies cannot live in the trainer's environment: copy it, replace the reward, keep
 the protocol.
 """
@@ -14,118 +16,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import queue
+import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 
-import torch
 from torch import Tensor
 
+from unirl_pl.rewards.batcher import RequestBatcher
 from unirl_pl.rewards.builtin import RewardFn, resolve_reward
-from unirl_pl.rewards.http import decode_images
+from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS, ImageTooLarge, decode_images
 
-
-@dataclass
-class _Job:
-    """One request waiting for its scores: filled by the batch worker, then ``done`` is set."""
-
-    prompts: list[str]
-    refined: list[str]
-    images: Tensor
-    done: threading.Event = field(default_factory=threading.Event)
-    scores: list[float] | None = None
-    error: str | None = None
-
-
-class RequestBatcher:
-    """Scores requests in batches on one worker thread: the first waiting request opens a batch, which
-    takes every request that arrives within ``wait_s`` with the same image shape, up to ``max_size``
-    samples, and the reward is called once on their concatenation.
-
-    One thread calls the reward, so models that are not thread-safe (most GPU models) are safe and
-    memory is bounded by one batch. A reward that raises, or returns a non-finite score or the wrong
-    count, fails every request of that batch (500, which the client retries).
-
-    Args:
-        reward: The reward to call.
-        reward_name: Its name, for error messages.
-        max_size: Most samples per call (a single larger request is still scored whole).
-        wait_s: How long a batch waits for more requests after its first one (0: no waiting).
-    """
-
-    def __init__(self, reward: RewardFn, reward_name: str, max_size: int = 64, wait_s: float = 0.005) -> None:
-        if max_size < 1 or wait_s < 0:
-            raise ValueError(f"need max_batch_size >= 1 and batch_wait_s >= 0, got {max_size}, {wait_s}")
-        self.reward, self.reward_name, self.max_size, self.wait_s = reward, reward_name, max_size, wait_s
-        self.calls: list[int] = []  # samples per reward call, for tests and logs
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._held: _Job | None = None  # a request that did not fit the last batch opens the next
-        self._thread = threading.Thread(target=self._work, name=f"reward-batcher-{reward_name}", daemon=True)
-        self._thread.start()
-
-    def score(self, prompts: list[str], refined: list[str], images: Tensor) -> tuple[list[float] | None, str | None]:
-        """(scores, None) or (None, error) for one request, after its batch has been scored."""
-        job = _Job(prompts, refined, images)
-        self._queue.put(job)
-        job.done.wait()
-        return job.scores, job.error
-
-    def close(self) -> None:
-        """Stop the worker after the requests already queued."""
-        self._queue.put(None)
-        self._thread.join(timeout=5)
-
-    def _next_batch(self) -> list[_Job] | None:
-        first = self._held or self._queue.get()
-        self._held = None
-        if first is None:
-            return None
-        batch, size = [first], len(first.prompts)
-        deadline = time.monotonic() + self.wait_s
-        while size < self.max_size:
-            try:
-                job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if job is None:
-                self._queue.put(None)  # seen again after this batch: stop then
-                break
-            fits = job.images.shape[1:] == first.images.shape[1:] and size + len(job.prompts) <= self.max_size
-            if not fits:
-                self._held = job
-                break
-            batch.append(job)
-            size += len(job.prompts)
-        return batch
-
-    def _work(self) -> None:
-        while (batch := self._next_batch()) is not None:
-            prompts = [p for job in batch for p in job.prompts]
-            refined = [r for job in batch for r in job.refined]
-            images = torch.cat([job.images for job in batch])
-            error, scores = None, []
-            try:
-                scores = [float(s) for s in self.reward(prompts, refined, images)]
-                if len(scores) != len(prompts) or not all(math.isfinite(s) for s in scores):
-                    error = f"reward {self.reward_name!r} returned {scores} for {len(prompts)} samples"
-            except Exception as err:  # the reward failed: every request of the batch gets the error
-                error = f"reward {self.reward_name!r} failed: {type(err).__name__}: {err}"
-            self.calls.append(len(prompts))
-            lo = 0
-            for job in batch:
-                hi = lo + len(job.prompts)
-                job.scores, job.error = (None, error) if error else (scores[lo:hi], None)
-                lo = hi
-                job.done.set()
+MAX_BODY_BYTES = 64 * 2**20
+READ_TIMEOUT_S = 30.0
+_READ_CHUNK = 64 * 2**10
 
 
 class RewardHTTPServer(ThreadingHTTPServer):
     """A threading HTTP server holding one reward; concurrent requests are scored in batches by one
     worker thread (:class:`RequestBatcher`).
+
+    Every request is bounded before the reward sees it: a ``Content-Length`` is required (411) and may
+    not exceed ``max_body_bytes`` (413, refused unread); the body must arrive within ``read_timeout_s``
+    (408); the JSON must parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be
+    lists of strings as long as ``images`` (400); images must be PNG or JPEG (400) within the pixel limits
+    (413, checked from the image header before decoding). Each error reply is ``{"error": "..."}`` and
+    closes the connection.
 
     Args:
         address: (host, port) to bind; port 0 picks a free port (see ``url``).
@@ -133,6 +50,11 @@ class RewardHTTPServer(ThreadingHTTPServer):
         reward_name: Its name, reported by ``GET /health``.
         max_batch_size: Most samples per reward call when requests are batched together.
         batch_wait_s: How long a batch waits for more requests after its first one.
+        max_body_bytes: Largest request body accepted.
+        read_timeout_s: Seconds a request body may take to arrive in full; also how long an idle
+            connection is kept and how long writing a reply may block.
+        max_image_pixels: Most pixels (width x height) of one image or video frame.
+        max_total_pixels: Most pixels of all the images and frames of one request.
     """
 
     # Handler threads must not keep the process alive or block close() on a stuck client.
@@ -145,7 +67,18 @@ class RewardHTTPServer(ThreadingHTTPServer):
         reward_name: str,
         max_batch_size: int = 64,
         batch_wait_s: float = 0.005,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        max_image_pixels: int = MAX_IMAGE_PIXELS,
+        max_total_pixels: int = MAX_TOTAL_PIXELS,
     ) -> None:
+        if max_body_bytes < 1 or read_timeout_s <= 0 or max_image_pixels < 1 or max_total_pixels < 1:
+            raise ValueError(
+                "need max_body_bytes >= 1, read_timeout_s > 0, max_image_pixels >= 1, max_total_pixels >= 1; got "
+                f"{max_body_bytes}, {read_timeout_s}, {max_image_pixels}, {max_total_pixels}"
+            )
+        self.max_body_bytes, self.read_timeout_s = max_body_bytes, read_timeout_s
+        self.max_image_pixels, self.max_total_pixels = max_image_pixels, max_total_pixels
         super().__init__(address, _RewardHandler)
         self.batcher = RequestBatcher(reward, reward_name, max_batch_size, batch_wait_s)
         self.reward, self.reward_name = reward, reward_name
@@ -168,50 +101,155 @@ class RewardHTTPServer(ThreadingHTTPServer):
         self.batcher.close()
 
 
+class _Refused(Exception):
+    """A request refused before it reaches the reward: the HTTP status and what was wrong."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
 class _RewardHandler(BaseHTTPRequestHandler):
     server: RewardHTTPServer
     protocol_version = "HTTP/1.1"
+    # Errors found in the request line itself (a garbled line) get a status line and headers too; the
+    # base class would answer them as HTTP/0.9, a bare body without any status.
+    default_request_version = "HTTP/1.0"
+
+    @property  # type: ignore[override]
+    def timeout(self) -> float:
+        # StreamRequestHandler.setup applies it to the connection: an idle keep-alive connection, or one
+        # stalled in its request line or headers, is dropped after this long without a byte.
+        return self.server.read_timeout_s
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it so
         pass  # one line per request would drown a training log; errors still go back to the client
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode("utf-8")
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        # Writing the reply is bounded too: a client that stops reading cannot hold this thread.
+        self.connection.settimeout(self.server.read_timeout_s)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if status >= 400:
+                # After an error the rest of the request may be unread: closing keeps it from ever being
+                # parsed as the next request on this connection.
+                self.send_header("Connection", "close")
+                self.close_connection = True
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except OSError:  # the client went away or stopped reading; nobody is left to tell
+            self.close_connection = True
+
+    def _error(self, status: int, message: str) -> None:
+        self._reply(status, {"error": message})
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """The base class's errors (bad request line, unsupported method, oversized headers) as JSON too."""
+        short, long = self.responses.get(code, ("error", ""))
+        self._error(code, f"{message or short}" + (f": {explain}" if explain else f": {long}" if long else ""))
+
+    def handle_expect_100(self) -> bool:
+        # A client that waits for "100 Continue" learns of a refused length before sending the body.
+        try:
+            self._declared_length()
+        except _Refused as err:
+            self._error(err.status, err.message)
+            return False
+        return super().handle_expect_100()
 
     def do_GET(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming
         if self.path.rstrip("/") == "/health":
             self._reply(200, {"status": "ok", "reward": self.server.reward_name})
         else:
-            self._reply(404, {"error": f"unknown path {self.path!r}; POST samples to score, GET /health"})
+            self._error(404, f"unknown path {self.path!r}; POST samples to score, GET /health")
 
     def do_POST(self) -> None:  # noqa: N802
         try:
-            length = self.headers.get("Content-Length")
-            if length is None or not length.isdigit():
-                raise ValueError("a Content-Length header is required")
-            request = json.loads(self.rfile.read(int(length)))
-            prompts, refined = request["prompts"], request["refined_prompts"]
-            images = decode_images(request["images"])
-            if not (isinstance(prompts, list) and isinstance(refined, list)):
-                raise ValueError("'prompts' and 'refined_prompts' must be lists of strings")
-            if not len(prompts) == len(refined) == images.shape[0]:
-                raise ValueError(
-                    f"{len(prompts)} prompts, {len(refined)} refined prompts and {images.shape[0]} images differ"
-                )
-        except (ValueError, KeyError, TypeError) as err:  # the client's fault: 400, not retried
-            what = f"missing key {err}" if isinstance(err, KeyError) else str(err)
-            self._reply(400, {"error": f"bad request: {what}"})
+            prompts, refined, images = self._parse(self._read_body())
+        except _Refused as err:
+            self._error(err.status, err.message)
+            return
+        except Exception as err:  # a bug here must still answer, and in JSON
+            self._error(500, f"the server failed reading the request: {type(err).__name__}: {err}")
             return
         scores, error = self.server.batcher.score(prompts, refined, images)
-        if error is not None:  # the reward failed: 500, which the client may retry
-            self._reply(500, {"error": error})
+        if error is not None:  # the reward failed on this request: 500, which the client may retry
+            self._error(500, error)
             return
         self._reply(200, {"scores": scores})
+
+    def _declared_length(self) -> int:
+        if "Transfer-Encoding" in self.headers:
+            raise _Refused(411, "chunked request bodies are not accepted; send a Content-Length header")
+        lengths = self.headers.get_all("Content-Length") or []
+        if not lengths:
+            raise _Refused(411, "a Content-Length header is required")
+        text = lengths[0].strip()
+        if len(set(lengths)) > 1 or not (text.isascii() and text.isdigit()):
+            raise _Refused(400, f"bad Content-Length {', '.join(lengths)!r}")
+        length = int(text)
+        if length > self.server.max_body_bytes:
+            raise _Refused(413, f"the body of {length} bytes is over the limit of {self.server.max_body_bytes} bytes")
+        return length
+
+    def _read_body(self) -> bytes:
+        length = self._declared_length()
+        # One deadline for the whole body: the socket timeout alone bounds each read, and a client
+        # sending a byte at a time could hold this thread indefinitely.
+        deadline = time.monotonic() + self.server.read_timeout_s
+        chunks, got = [], 0
+        while got < length:
+            left = deadline - time.monotonic()
+            late = _Refused(
+                408, f"the body did not arrive within {self.server.read_timeout_s:g} s ({got} of {length} bytes)"
+            )
+            if left <= 0:
+                raise late
+            self.connection.settimeout(left)
+            try:
+                chunk = self.rfile.read1(min(length - got, _READ_CHUNK))
+            except TimeoutError:
+                raise late from None
+            if not chunk:
+                raise _Refused(400, f"the body ended after {got} of {length} bytes")
+            chunks.append(chunk)
+            got += len(chunk)
+        self.connection.settimeout(self.server.read_timeout_s)
+        return b"".join(chunks)
+
+    def _parse(self, body: bytes) -> tuple[list[str], list[str], Tensor]:
+        try:
+            request = json.loads(body)
+        except RecursionError:
+            raise _Refused(400, "bad request: the JSON is nested too deeply") from None
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+            raise _Refused(400, f"bad request: not JSON ({err})") from None
+        if not isinstance(request, dict):
+            raise _Refused(400, f"bad request: expected a JSON object, got {type(request).__name__}")
+        missing = [key for key in ("prompts", "refined_prompts", "images") if key not in request]
+        if missing:
+            raise _Refused(400, f"bad request: missing key {', '.join(map(repr, missing))}")
+        prompts, refined = request["prompts"], request["refined_prompts"]
+        for key, value in (("prompts", prompts), ("refined_prompts", refined)):
+            if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+                raise _Refused(400, f"bad request: {key!r} must be a list of strings")
+        try:
+            images = decode_images(request["images"], self.server.max_image_pixels, self.server.max_total_pixels)
+        except ImageTooLarge as err:
+            raise _Refused(413, f"image too large: {err}") from None
+        except ValueError as err:
+            raise _Refused(400, f"bad request: {err}") from None
+        if not len(prompts) == len(refined) == images.shape[0]:
+            raise _Refused(
+                400,
+                f"bad request: {len(prompts)} prompts, {len(refined)} refined prompts and {images.shape[0]} "
+                "images differ",
+            )
+        return prompts, refined, images
 
 
 def serve(
@@ -221,15 +259,27 @@ def serve(
     reward_args: dict[str, Any] | None = None,
     max_batch_size: int = 64,
     batch_wait_s: float = 0.005,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    read_timeout_s: float = READ_TIMEOUT_S,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_total_pixels: int = MAX_TOTAL_PIXELS,
 ) -> RewardHTTPServer:
     """Start serving ``reward_name`` (registry name or dotted path) in a background thread.
 
     Returns the running server: ``server.url`` is where to POST (port 0 binds a free port) and
     ``server.close()`` stops it. ``max_batch_size`` and ``batch_wait_s`` bound the batching of
-    concurrent requests (:class:`RequestBatcher`).
+    concurrent requests (:class:`RequestBatcher`); the other limits are :class:`RewardHTTPServer`'s.
     """
     server = RewardHTTPServer(
-        (host, port), resolve_reward(reward_name, reward_args), reward_name, max_batch_size, batch_wait_s
+        (host, port),
+        resolve_reward(reward_name, reward_args),
+        reward_name,
+        max_batch_size,
+        batch_wait_s,
+        max_body_bytes,
+        read_timeout_s,
+        max_image_pixels,
+        max_total_pixels,
     )
     # A short poll interval makes close() return quickly (shutdown waits for the next poll).
     server.thread = threading.Thread(
@@ -250,18 +300,63 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more concurrent requests"
     )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=MAX_BODY_BYTES / 2**20,
+        help="largest request body in MiB; a larger Content-Length is refused unread (413)",
+    )
+    parser.add_argument(
+        "--read-timeout-s",
+        type=float,
+        default=READ_TIMEOUT_S,
+        help="seconds a request body may take to arrive in full (else 408); also the idle-connection timeout",
+    )
+    parser.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=MAX_IMAGE_PIXELS,
+        help="most pixels (width x height) of one image or video frame, checked before decoding (else 413)",
+    )
+    parser.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=MAX_TOTAL_PIXELS,
+        help="most pixels of all the images and frames of one request (else 413)",
+    )
     args = parser.parse_args(argv)
+
+    def fail(message: str) -> NoReturn:
+        # One line and exit status 2, like an argparse error, and no traceback: these are setup mistakes.
+        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
     try:
         reward_args = json.loads(args.reward_args)
     except json.JSONDecodeError as err:
-        parser.error(f"--reward-args is not JSON: {err}")
-    server = RewardHTTPServer(
-        (args.host, args.port),
-        resolve_reward(args.reward, reward_args),
-        args.reward,
-        max_batch_size=args.max_batch,
-        batch_wait_s=args.batch_wait_ms / 1000,
-    )
+        fail(f"--reward-args is not JSON: {err}")
+    if not isinstance(reward_args, dict):
+        fail(f"--reward-args must be a JSON object of constructor kwargs, got {args.reward_args!r}")
+    try:
+        reward = resolve_reward(args.reward, reward_args)
+    except (ValueError, TypeError, ImportError, OSError) as err:
+        fail(f"cannot start reward {args.reward!r}: {err}")
+    try:
+        server = RewardHTTPServer(
+            (args.host, args.port),
+            reward,
+            args.reward,
+            max_batch_size=args.max_batch,
+            batch_wait_s=args.batch_wait_ms / 1000,
+            max_body_bytes=int(args.max_body_mb * 2**20),
+            read_timeout_s=args.read_timeout_s,
+            max_image_pixels=args.max_image_pixels,
+            max_total_pixels=args.max_request_pixels,
+        )
+    except ValueError as err:
+        fail(str(err))
+    except OSError as err:
+        fail(f"cannot listen on {args.host}:{args.port}: {err}")
     print(f"serving reward {args.reward!r} at {server.url} (GET {server.url}health)", flush=True)
     try:
         server.serve_forever()

@@ -7,25 +7,21 @@ as base64 data URLs and a task template; the reply's text is parsed into a numbe
 - ``yes_no``: one yes/no question per constraint (GenEval/TIFA-style); the reward is the fraction of yes.
 - ``pairwise``: the images of one prompt compared two at a time (Pref-GRPO); the reward is the win rate.
 
-Failure policy: a reply that cannot be parsed, or a request that still fails after its retries
-(timeouts, dropped connections, 5xx, 429), gives that sample a NaN, which ``model.nonfinite_rewards``
-handles (``error`` stops naming the sample, ``drop`` leaves it out of its group, ``skip`` skips the
-step). Only when *every* request of a call failed in transport, or the server rejects the request
-itself (another 4xx: a wrong model name, a bad API key), is it an error: a judge that is down or
-misconfigured must not silently turn a run into NaNs. Only the standard library speaks HTTP.
+Failure policy: a reply that cannot be read, or a request that still fails after its retries (timeouts,
+dropped connections, 5xx, 429), gives that sample a NaN, which ``model.nonfinite_rewards`` handles
+(``error`` stops naming the sample, ``drop`` leaves it out of its group, ``skip`` skips the step). A call
+where more than ``max_unreadable`` of the requests got no answer raises, naming the judge and quoting a
+reply, and so does a request the server rejects (another 4xx: a wrong model name, a bad API key): a judge
+that is down, misconfigured or answering nonsense must not silently turn a run into NaNs. What the judge is
+asked and how its replies are read is :mod:`unirl_pl.rewards.judge_text`.
 """
 
 from __future__ import annotations
 
-import http.client
+import hashlib
 import json
 import math
 import os
-import re
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from collections import defaultdict
 from collections.abc import Callable
@@ -35,72 +31,21 @@ from typing import Any, Literal
 
 from torch import Tensor
 
-from unirl_pl.rewards.http import IMAGE_FORMATS, RewardServerError, encode_images
-
-Template = Literal["score", "yes_no", "pairwise"]
-
-SCORE_INSTRUCTION = (
-    "You are judging an image generated from a text description. Rate how well the image matches the "
-    "description and how good it looks, on a scale from {low} to {high}, where {high} is best. "
-    "Reply with the number only.\nDescription: {prompt}"
+from unirl_pl.rewards.http import IMAGE_FORMATS, encode_images
+from unirl_pl.rewards.judge_text import (
+    DEFAULT_QUESTION,
+    PAIRWISE_INSTRUCTION,
+    PRESETS,
+    QUESTION_INSTRUCTION,
+    SCORE_INSTRUCTION,
+    ChatReply,
+    Template,
+    chat_reply,
+    parse_choice,
+    parse_score,
+    parse_yes_no,
 )
-QUESTION_INSTRUCTION = "Answer the question about the image with yes or no only.\nQuestion: {question}"
-DEFAULT_QUESTION = "Does the image show {prompt}?"
-PAIRWISE_INSTRUCTION = (
-    "Two images were generated from the same text description. Which one matches the description better "
-    "and looks better? Reply with 1 for the first image or 2 for the second, and nothing else.\n"
-    "Description: {prompt}"
-)
-
-_NUMBER = r"[-+]?\d+(?:\.\d+)?"
-
-
-def parse_score(text: str, low: float, high: float) -> float | None:
-    """The judge's score in ``[low, high]`` from its reply, or None when there is no unambiguous one.
-
-    In order: the last ``score: X`` (``Final Score: 7``), then ``X/10`` or ``X out of 10``, then a reply
-    whose only number is X. A number outside the range, or several different bare numbers, is None.
-    """
-    lowered = text.lower()
-    labeled = re.findall(rf"score\s*(?:is|of|[:=])?\s*\**\s*({_NUMBER})", lowered)
-    ratio = re.findall(rf"({_NUMBER})\s*(?:/|out of)\s*{_NUMBER}", lowered)
-    bare = set(re.findall(_NUMBER, lowered))
-    if labeled:
-        value = float(labeled[-1])
-    elif ratio:
-        value = float(ratio[0])
-    elif len({float(b) for b in bare}) == 1:
-        value = float(next(iter(bare)))
-    else:
-        return None
-    return value if low <= value <= high and math.isfinite(value) else None
-
-
-def parse_yes_no(text: str) -> float | None:
-    """1.0 for a yes, 0.0 for a no, None when the reply says both, neither, or something else first."""
-    words = re.findall(r"[a-z]+", text.lower())
-    for word in words:
-        if word in ("yes", "no"):
-            other = "no" if word == "yes" else "yes"
-            # "Yes. ... no" is still a yes (the answer comes first); "yes or no?" echoed back is not an answer.
-            if f"{word} or {other}" in " ".join(words):
-                return None
-            return 1.0 if word == "yes" else 0.0
-    return None
-
-
-def parse_choice(text: str) -> int | None:
-    """0 when the judge prefers the first image, 1 for the second, None when it is not clear which."""
-    lowered = text.lower().strip()
-    first = re.search(r"\b(1|first)\b", lowered)
-    second = re.search(r"\b(2|second)\b", lowered)
-    if first and second:
-        return 0 if first.start() < second.start() else 1  # "1, because image 2 ..." answers first
-    if first:
-        return 0
-    if second:
-        return 1
-    return None
+from unirl_pl.rewards.transport import RewardServerError, TransportFailed, post
 
 
 def load_questions(questions: str | dict[str, list[str]] | None) -> dict[str, list[str]]:
@@ -129,21 +74,34 @@ class VLMJudge:
     Args:
         url: The server's base URL (``http://127.0.0.1:8000/v1``) or the full ``.../chat/completions`` URL.
         model: The served model's name (``--served-model-name`` of vLLM / SGLang).
-        template: ``score`` (1-10 rating), ``yes_no`` (fraction of yes over the prompt's questions) or
-            ``pairwise`` (win rate against the other images of the same prompt in the call).
-        prompt: Which text the judge sees: ``original`` (the user's prompt) or ``refined``.
+        template: ``score`` (a rating on ``score_range``), ``yes_no`` (fraction of yes over the prompt's
+            questions) or ``pairwise`` (win rate against the other images of the same prompt in the call).
+            Default ``score``, or the preset's.
+        prompt: Which text the judge sees: ``original`` (the user's prompt) or ``refined``. ``pairwise``
+            needs ``original``: the images it compares are those of one prompt.
         instruction: Replaces the template's instruction; ``{prompt}`` (and ``{low}``/``{high}`` for
             ``score``, ``{question}`` for ``yes_no``) are filled in.
-        score_range: ``(low, high)`` of the ``score`` template; replies outside it are unparseable.
+        score_range: ``(low, high)`` of the ``score`` template; replies outside it are unreadable. Default
+            ``(1, 10)``, or the preset's.
         questions: For ``yes_no``: prompt -> questions (a dict or a JSON file); a prompt not in it gets
             ``Does the image show {prompt}?``.
-        both_orders: For ``pairwise``: ask each pair in both orders, cancelling the judge's position bias
-            (twice the requests).
+        both_orders: For ``pairwise``: ask each pair in both orders (twice the requests), which cancels the
+            judge's position bias exactly. Otherwise each pair is shown once, in an order drawn from the two
+            images themselves, so it does not depend on where the samples sit in the batch.
+        preset: ``unifiedreward`` (the ``score`` template with UnifiedReward's three 1-5 dimensions, the
+            reward their mean) or ``unifiedreward_think`` (``pairwise``, reasoning in ``<think>``, the verdict
+            in ``<answer>``). It fills ``template``, ``instruction``, ``score_range`` and ``max_tokens``
+            where they are not given.
+        max_unreadable: Largest fraction of a call's requests that may fail or come back unreadable: above
+            it the call raises, naming the judge and quoting a reply (a judge answering nonsense must stop
+            the run, not train it on nothing). Below it those samples get NaN for ``model.nonfinite_rewards``.
         max_concurrency: Requests in flight at once.
-        timeout_s: Seconds to wait for each request (connect and reply).
+        timeout_s: Seconds one attempt of a request may take, connect, request and whole reply included
+            (a server that drips its reply is cut off); retries fit in ``transport.retry_budget``.
         max_retries: Further attempts after a timeout, a dropped connection, a 5xx or a 429.
         backoff_s: Wait before the first retry; doubles for each one after.
-        max_tokens: The reply's token limit (the templates ask for one word or number).
+        max_tokens: The reply's token limit. Default 512 (room for a short reasoning before the score), or
+            the preset's; a reply cut at the limit (``finish_reason: length``) is warned about.
         temperature: Sampling temperature of the judge (0: its most likely answer).
         system: An optional system message.
         image_format: ``png`` or ``jpeg`` for the data URLs.
@@ -155,37 +113,58 @@ class VLMJudge:
         self,
         url: str,
         model: str,
-        template: Template = "score",
+        template: Template | None = None,
         prompt: Literal["original", "refined"] = "original",
         instruction: str | None = None,
-        score_range: tuple[float, float] = (1.0, 10.0),
+        score_range: tuple[float, float] | None = None,
         questions: str | dict[str, list[str]] | None = None,
         both_orders: bool = False,
+        preset: Literal["unifiedreward", "unifiedreward_think"] | None = None,
+        max_unreadable: float = 0.5,
         max_concurrency: int = 8,
         timeout_s: float = 60.0,
         max_retries: int = 2,
         backoff_s: float = 1.0,
-        max_tokens: int = 16,
+        max_tokens: int | None = None,
         temperature: float = 0.0,
         system: str | None = None,
         image_format: str = "png",
         api_key_env: str | None = None,
         extra_body: dict[str, Any] | None = None,
     ) -> None:
+        if preset is not None and preset not in PRESETS:
+            raise ValueError(f"reward 'vlm_judge': preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        chosen = PRESETS.get(preset or "", {})
+        if template is not None and chosen and template != chosen["template"]:
+            raise ValueError(
+                f"reward 'vlm_judge': preset {preset!r} is the {chosen['template']!r} template, not {template!r}"
+            )
+        template = template or chosen.get("template", "score")
+        instruction = instruction or chosen.get("instruction")
+        score_range = score_range or chosen.get("score_range", (1.0, 10.0))
+        max_tokens = max_tokens or chosen.get("max_tokens", 512)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"reward 'vlm_judge': url must start with http:// or https://, got {url!r}")
         if template not in ("score", "yes_no", "pairwise"):
             raise ValueError(f"reward 'vlm_judge': template must be score, yes_no or pairwise, got {template!r}")
         if prompt not in ("original", "refined"):
             raise ValueError(f"reward 'vlm_judge': prompt must be 'original' or 'refined', got {prompt!r}")
+        if template == "pairwise" and prompt == "refined":
+            # Every refinement is its own text, so each group would hold one image and every win rate be 0.5.
+            raise ValueError(
+                "reward 'vlm_judge': the pairwise template compares the images of one prompt; with prompt: refined "
+                "every refinement is a group of one and no sample gets a signal. Use prompt: original"
+            )
         low, high = score_range
         if not low < high:
             raise ValueError(f"reward 'vlm_judge': score_range must be (low, high) with low < high, got {score_range}")
-        if max_concurrency < 1 or timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
+        if max_concurrency < 1 or timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or max_tokens < 1:
             raise ValueError(
-                "reward 'vlm_judge': need max_concurrency >= 1, timeout_s > 0, max_retries >= 0, backoff_s >= 0; "
-                f"got {max_concurrency}, {timeout_s}, {max_retries}, {backoff_s}"
+                "reward 'vlm_judge': need max_concurrency >= 1, timeout_s > 0, max_retries >= 0, backoff_s >= 0, "
+                f"max_tokens >= 1; got {max_concurrency}, {timeout_s}, {max_retries}, {backoff_s}, {max_tokens}"
             )
+        if not 0.0 <= max_unreadable <= 1.0:
+            raise ValueError(f"reward 'vlm_judge': max_unreadable must be in [0, 1], got {max_unreadable}")
         if image_format.lower() not in IMAGE_FORMATS:
             raise ValueError(f"reward 'vlm_judge': image_format must be one of {sorted(IMAGE_FORMATS)}")
         self.endpoint = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
@@ -194,7 +173,7 @@ class VLMJudge:
         self.instruction = instruction or defaults[template]
         self.low, self.high = float(low), float(high)
         self.questions = load_questions(questions)
-        self.both_orders = both_orders
+        self.both_orders, self.max_unreadable = both_orders, max_unreadable
         self.max_concurrency, self.timeout_s = max_concurrency, timeout_s
         self.max_retries, self.backoff_s = max_retries, backoff_s
         self.max_tokens, self.temperature, self.system = max_tokens, temperature, system
@@ -205,8 +184,6 @@ class VLMJudge:
         # template, which compares the images of a group and needs the whole batch.
         self.remote, self.overlap_chunk = template != "pairwise", max_concurrency
         self.failed = 0  # samples scored NaN (unparseable or failed request) over this object's life
-        host = urllib.parse.urlsplit(url).hostname or ""
-        self._bypass_proxy = host in ("localhost", "::1") or host.startswith("127.")
 
     # ------------------------------------------------------------------ transport
     def _headers(self) -> dict[str, str]:
@@ -229,46 +206,31 @@ class VLMJudge:
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens}
         return body | {"temperature": self.temperature} | self.extra_body
 
-    def _chat(self, body: dict[str, Any], headers: dict[str, str]) -> str | None:
-        """The reply's text; None for a 200 whose body is not a chat completion; raises ``_Transport`` after
-        the retries, :class:`RewardServerError` for a request the server rejects (4xx other than 408/429)."""
-        opener = urllib.request.build_opener(*([urllib.request.ProxyHandler({})] if self._bypass_proxy else []))
+    def _chat(self, body: dict[str, Any], headers: dict[str, str]) -> ChatReply:
+        """The reply (its text None for a 200 whose body is not a chat completion); raises ``_Transport`` after
+        the retries, :class:`RewardServerError` for a request the server rejects (a 3xx, a 4xx other than
+        408/429). ``timeout_s`` bounds each attempt, body included; redirects are never followed, so the
+        bearer token only ever goes to ``url``."""
         payload = json.dumps(body).encode("utf-8")
-        last: BaseException | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.endpoint, data=payload, headers=headers, method="POST")
-            try:
-                with opener.open(request, timeout=self.timeout_s) as reply:
-                    raw = reply.read()
-                break
-            except urllib.error.HTTPError as err:
-                if err.code < 500 and err.code not in (408, 429):
-                    detail = err.read(300).decode("utf-8", "replace").strip()
-                    raise RewardServerError(
-                        f"VLM judge {self.endpoint} rejected the request: HTTP {err.code} {err.reason}"
-                        + (f": {detail}" if detail else "")
-                    ) from None
-                last = err
-            except (OSError, http.client.HTTPException) as err:  # timeouts, refused or dropped connections
-                last = err
-        else:
-            raise _Transport(f"{type(last).__name__}: {last}")
         try:
-            content = json.loads(raw)["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError):
-            return None
-        if isinstance(content, list):  # some servers return content parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        return content if isinstance(content, str) else None
+            raw = post(
+                self.endpoint,
+                payload,
+                headers,
+                deadline_s=self.timeout_s,
+                max_retries=self.max_retries,
+                backoff_s=self.backoff_s,
+                label="VLM judge",
+            )
+        except TransportFailed as err:
+            raise _Transport(str(err)) from None
+        return chat_reply(raw)
 
-    def _run(self, jobs: list[tuple[list[str], str]]) -> list[str | None | _Transport]:
-        """Each job's reply text (None: unparseable body; a ``_Transport``: failed), with at most
-        ``max_concurrency`` requests in flight."""
+    def _run(self, jobs: list[tuple[list[str], str]]) -> list[ChatReply | _Transport]:
+        """Each job's reply (or the ``_Transport`` error it failed with), at most ``max_concurrency`` in flight."""
         headers = self._headers()
 
-        def one(job: tuple[list[str], str]) -> str | None | _Transport:
+        def one(job: tuple[list[str], str]) -> ChatReply | _Transport:
             try:
                 return self._chat(self._request(*job), headers)
             except _Transport as err:
@@ -283,13 +245,36 @@ class VLMJudge:
             )
         return results
 
+    def _read(self, results: list[ChatReply | _Transport], parse: Callable[[str], Any]) -> list[Any]:
+        """Each result parsed (None where it failed or is unreadable). Raises when more than ``max_unreadable``
+        of them are None, quoting an unreadable reply; warns when replies were cut at ``max_tokens``."""
+        values = [None if isinstance(r, _Transport) or r.text is None else parse(r.text) for r in results]
+        cut = sum(1 for r in results if isinstance(r, ChatReply) and r.finish_reason == "length")
+        if cut:
+            warnings.warn(
+                f"reward 'vlm_judge': {cut} of {len(results)} replies were cut at max_tokens={self.max_tokens} "
+                "(finish_reason 'length'); raise max_tokens if the judge reasons before its verdict",
+                stacklevel=3,
+            )
+        missing = [r for r, v in zip(results, values, strict=True) if v is None]
+        if results and len(missing) / len(results) > self.max_unreadable:
+            failed = sum(1 for r in missing if isinstance(r, _Transport))
+            quoted = next((r.text for r in missing if isinstance(r, ChatReply) and r.text is not None), None)
+            shown = f"; a reply: {quoted[:300]!r}" if quoted is not None else f"; last error: {missing[-1]}"
+            raise RewardServerError(
+                f"VLM judge {self.endpoint} ({self.template}): {len(missing)} of {len(results)} requests gave no "
+                f"{'verdict' if self.template == 'pairwise' else 'score'} ({failed} failed, {len(missing) - failed} "
+                f"unreadable), above max_unreadable={self.max_unreadable}{shown}"
+            )
+        return values
+
     # ------------------------------------------------------------------ templates
     def _score(self, texts: list[str], images: list[str]) -> list[float]:
         jobs = [
             ([img], self.instruction.format(prompt=t, low=_fmt(self.low), high=_fmt(self.high)))
             for t, img in zip(texts, images, strict=True)
         ]
-        parsed = [_parsed(r, lambda s: parse_score(s, self.low, self.high)) for r in self._run(jobs)]
+        parsed = self._read(self._run(jobs), lambda s: parse_score(s, self.low, self.high))
         return [math.nan if v is None else v for v in parsed]
 
     def _yes_no(self, texts: list[str], images: list[str]) -> list[float]:
@@ -299,8 +284,8 @@ class VLMJudge:
                 jobs.append(([img], self.instruction.format(question=q.format(prompt=t), prompt=t)))
                 owner.append(i)
         answers: dict[int, list[float | None]] = defaultdict(list)
-        for i, r in zip(owner, self._run(jobs), strict=True):
-            answers[i].append(_parsed(r, parse_yes_no))
+        for i, value in zip(owner, self._read(self._run(jobs), parse_yes_no), strict=True):
+            answers[i].append(value)
         # One unanswered question leaves the fraction unknown: the sample is NaN, not a guess.
         return [
             math.nan if any(a is None for a in answers[i]) else sum(answers[i]) / len(answers[i])  # type: ignore[arg-type]
@@ -314,10 +299,13 @@ class VLMJudge:
         pairs = [(a, b) for members in groups.values() for x, a in enumerate(members) for b in members[x + 1 :]]
         if self.both_orders:
             pairs += [(b, a) for a, b in pairs]
+        else:
+            # Samples sit in a group in rollout order (the unrefined ones first), so a fixed order would turn a
+            # judge's taste for the first image into a reward against the refiner.
+            pairs = [(b, a) if _shown_swapped(images[a], images[b]) else (a, b) for a, b in pairs]
         jobs = [([images[a], images[b]], self.instruction.format(prompt=texts[a])) for a, b in pairs]
         wins, played = [0.0] * len(texts), [0] * len(texts)
-        for (a, b), r in zip(pairs, self._run(jobs), strict=True):
-            choice = _parsed(r, parse_choice)
+        for (a, b), choice in zip(pairs, self._read(self._run(jobs), parse_choice), strict=True):
             if choice is None:
                 continue  # this comparison counts for neither sample
             played[a] += 1
@@ -350,10 +338,13 @@ class VLMJudge:
         return scores
 
 
+def _shown_swapped(first: str, second: str) -> bool:
+    """Whether a pair is shown second image first: a coin drawn from the two images' encodings, the same for
+    the same pair whatever its place in the batch, and independent of which sample came first."""
+    low, high = sorted((first, second))
+    digest = hashlib.blake2b(f"{low}|{high}".encode("ascii"), digest_size=8).digest()
+    return (digest[0] & 1) == (first == low)
+
+
 def _fmt(value: float) -> str:
     return str(int(value)) if value.is_integer() else str(value)
-
-
-def _parsed(result: str | None | _Transport, parse: Callable[[str], Any]) -> Any:
-    """The parsed reply, or None for a failed request or an unparseable one."""
-    return None if result is None or isinstance(result, _Transport) else parse(result)

@@ -1,0 +1,129 @@
+"""Every package ``unirl_pl`` imports is declared in pyproject.toml, and the ``rewards`` extra installs
+every package a reward imports.
+
+The imports are read from the source (``ast``), those inside functions included: an optional package is
+imported where it is used (the OCR reward's ``rapidocr_onnxruntime``), and an undeclared one there fails
+only for the user who reaches that line (``hpsv2``'s ``huggingface_hub`` did). An import name maps to its
+distribution through the installed packages' metadata, or, for a package not installed here, through
+:data:`NOT_INSTALLED`.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "unirl_pl"
+PROJECT = "unirl_pl"
+
+# Import name -> distribution for packages an environment may lack (optional extras, reward models'
+# own packages); the installed metadata wins where it has the name.
+NOT_INSTALLED = {
+    "rapidocr_onnxruntime": "rapidocr-onnxruntime",
+    "onnxruntime": "onnxruntime",
+    "open_clip": "open_clip_torch",
+    "hpsv2": "hpsv2",
+    "tensorboard": "tensorboard",
+    "scipy": "scipy",
+    "PIL": "pillow",
+    "yaml": "pyyaml",
+}
+
+
+def normalize(name: str) -> str:
+    """A distribution name as PEP 503 compares them (``PyYAML`` is ``pyyaml``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(requirement: str) -> tuple[str, list[str]]:
+    """The distribution a requirement string names and the extras it asks for (``a[b,c]>=1`` -> a, [b, c])."""
+    found = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(?:\[([^\]]*)\])?", requirement)
+    assert found, f"unreadable requirement {requirement!r}"
+    extras = [e.strip() for e in (found.group(2) or "").split(",") if e.strip()]
+    return normalize(found.group(1)), extras
+
+
+def top_level_imports(folder: Path) -> dict[str, set[str]]:
+    """Top-level module name -> the files under ``folder`` importing it, without the standard library,
+    relative imports and the project itself."""
+    found: dict[str, set[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top != PROJECT:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def distributions(import_name: str) -> set[str]:
+    """The distributions that provide ``import_name`` (empty when neither the metadata nor the table knows)."""
+    installed = importlib.metadata.packages_distributions().get(import_name)
+    if installed:
+        return {normalize(d) for d in installed}
+    return {normalize(NOT_INSTALLED[import_name])} if import_name in NOT_INSTALLED else set()
+
+
+def declared() -> tuple[set[str], dict[str, set[str]]]:
+    """The core dependencies and each extra's distributions, with the project's own extras (``unirl_pl[ocr]``)
+    expanded in place."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    raw = {name: list(reqs) for name, reqs in project.get("optional-dependencies", {}).items()}
+
+    def expand(requirements: list[str], seen: frozenset[str] = frozenset()) -> set[str]:
+        out: set[str] = set()
+        for requirement in requirements:
+            name, extras = requirement_name(requirement)
+            if name != normalize(PROJECT):
+                out.add(name)
+                continue
+            for extra in extras:
+                assert extra in raw, f"{requirement!r} names an extra pyproject.toml does not have"
+                if extra not in seen:
+                    out |= expand(raw[extra], seen | {extra})
+        return out
+
+    return expand(project["dependencies"]), {name: expand(reqs, frozenset({name})) for name, reqs in raw.items()}
+
+
+def test_every_imported_package_is_declared():
+    core, extras = declared()
+    anywhere = core.union(*extras.values())
+    imports = top_level_imports(PACKAGE)
+    assert {"torch", "lightning", "rapidocr_onnxruntime"} <= set(imports), "the scan missed known imports"
+    unknown = {name: sorted(files) for name, files in imports.items() if not distributions(name)}
+    assert not unknown, f"imports with no known distribution (install it, or add it to NOT_INSTALLED): {unknown}"
+    missing = {
+        f"{name} ({', '.join(sorted(distributions(name)))})": sorted(files)
+        for name, files in imports.items()
+        if not distributions(name) & anywhere
+    }
+    assert not missing, f"imported but not declared in pyproject.toml's dependencies or extras: {missing}"
+
+
+def test_the_rewards_extra_installs_every_package_a_reward_imports():
+    core, extras = declared()
+    assert extras["ocr"] <= extras["rewards"], "the rewards extra is the union of the reward extras"
+    needed = top_level_imports(PACKAGE / "rewards")
+    missing = {
+        name: sorted(files) for name, files in needed.items() if not distributions(name) & (core | extras["rewards"])
+    }
+    assert not missing, f"a reward imports a package that neither the core nor the rewards extra installs: {missing}"
+
+
+def test_the_reader_expands_extras_and_normalizes_names():
+    assert requirement_name("jsonargparse[signatures]>=4.35") == ("jsonargparse", ["signatures"])
+    assert requirement_name("unirl_pl[ocr, tb]") == ("unirl-pl", ["ocr", "tb"])
+    assert normalize("PyYAML") == "pyyaml" and normalize("huggingface_hub") == "huggingface-hub"
+    assert distributions("yaml") == {"pyyaml"}

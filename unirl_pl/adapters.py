@@ -1,0 +1,34 @@
+"""A module's trained adapters written in their libraries' own formats: ``llm/`` (peft) and ``transformer/``
+(diffusers LoRA).
+
+Both the ``AdapterExport`` callback (at the end of ``fit``) and the ``export`` command (from a checkpoint)
+write adapters through :func:`export_adapters`. It lives below both, importing neither, so the callbacks
+package does not import the command, and the command (which builds its module through :mod:`unirl_pl.cli`)
+does not sit on an import cycle with the CLI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Expert name -> its folder under the output directory.
+ADAPTER_DIRS = {"llm": "llm", "transformer": "transformer"}
+
+
+def export_adapters(module: Any, out_dir: str | Path) -> dict[str, Path]:
+    """Write every built expert adapter of ``module`` (a ``UniRLModule``) under ``out_dir``; return the paths.
+
+    Both experts are written even when the mode froze one, so a folder is always a complete policy.
+    """
+    out = Path(out_dir)
+    written = {}
+    for name, sub in ADAPTER_DIRS.items():
+        expert = module.experts().get(name)
+        if expert is None or not expert.is_built:
+            continue
+        path = out / sub
+        path.mkdir(parents=True, exist_ok=True)
+        expert.save_adapter(str(path))
+        written[name] = path
+    return written
