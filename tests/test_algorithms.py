@@ -289,7 +289,10 @@ def test_dapo_dynamic_sampling_keeps_the_first_informative_groups():
     dapo.train_groups(rewards, groups)
     assert dapo.metrics("llm", type("R", (), {"gen_mask": torch.ones(2, 3)})())["llm/train_groups"] == 2.0
     flat = torch.full((10,), 0.5)
-    assert DAPO().train_groups(flat, groups).all(), "no informative group: train on all, never on nothing"
+    dapo = DAPO()
+    assert dapo.train_groups(flat, groups).all(), "no informative group: train on all, never on nothing"
+    metrics = dapo.metrics("llm", type("R", (), {"gen_mask": torch.ones(2, 3)})())
+    assert metrics["llm/train_groups"] == 0.0, "the fallback trains on all, but none was informative"
     assert DAPO(dynamic_sampling=False).train_groups(rewards, groups) is None
     assert TokenGRPO().train_groups(rewards, groups) is None and GSPO().train_groups(rewards, groups) is None
     with pytest.raises(ValueError, match="train_groups must be"):

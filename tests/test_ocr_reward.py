@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
-from unirl_pl.rewards.ocr import edit_distance, ocr_score, quoted_text
+from unirl_pl.rewards.ocr import OCRReward, edit_distance, ocr_score, quoted_text
 
 
 def _render(text: str, width: int = 256, height: int = 96) -> torch.Tensor:
@@ -72,3 +72,22 @@ def test_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "rapidocr_onnxruntime", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install -e \.\[ocr\]"):
         resolve_reward("ocr")
+
+
+def test_an_english_recognition_model_reaches_rapidocr(tmp_path, monkeypatch):
+    """rec_model_path / rec_keys_path replace the wheel's Chinese+English model in the engine RapidOCR builds."""
+    import rapidocr_onnxruntime
+
+    model, keys = tmp_path / "en_PP-OCRv4_rec.onnx", tmp_path / "en_dict.txt"
+    model.write_bytes(b"onnx")
+    keys.write_text("a\nb\n")
+    built: list[dict] = []
+    monkeypatch.setattr(rapidocr_onnxruntime, "RapidOCR", lambda **kwargs: built.append(kwargs) or object())
+    assert OCRReward(rec_model_path=str(model), rec_keys_path=str(keys)).engine is not None
+    assert built[-1]["rec_model_path"] == str(model) and built[-1]["rec_keys_path"] == str(keys)
+    assert OCRReward().engine is not None
+    assert "rec_model_path" not in built[-1], "the default keeps the wheel's model"
+    with pytest.raises(ValueError, match="rec_model_path and rec_keys_path go together"):
+        OCRReward(rec_model_path=str(model))
+    with pytest.raises(ValueError, match="rec_keys_path .* is not a file"):
+        OCRReward(rec_model_path=str(model), rec_keys_path=str(tmp_path / "missing.txt"))

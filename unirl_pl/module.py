@@ -94,8 +94,9 @@ class UniRLModule(pl.LightningModule):
         nonfinite_rewards: A reward that is NaN or infinite: ``error`` stops the run naming the reward and
             the sample; ``drop`` removes that sample from its group (advantage 0, counted in
             ``reward/dropped``); ``skip`` skips the whole step (weights untouched, ``train/skipped_steps``).
-        reward_normalization: ``none``, or ``group``: each reward term is normalized within its prompt's
-            group before the weighted sum the advantages come from (``reward/mean`` stays the raw sum).
+        reward_normalization: ``none``, or ``group``: each reward term is centred within its prompt's group and
+            scaled by its std over the whole batch (every rank) before the weighted sum the advantages come
+            from (``reward/mean`` stays the raw sum).
         ema: An exponential moving average of the trained adapters (:class:`unirl_pl.callbacks.EMA`) that
             validation, predict and export use; the module hands it to the trainer as a callback, so a recipe
             overlay can switch it on (None: off).

@@ -97,7 +97,7 @@ class DAPO(TokenGRPO):
     (``--data.prompts_per_step=12 --model.llm_algorithm.init_args.train_groups=8`` rolls out 12 groups and
     trains the refiner on 8 informative ones). A step with no informative group trains on all of them (every
     advantage 0: only the KL term moves the adapter). The generator, when it trains, sees the whole rollout.
-    ``llm/train_groups`` logs how many groups the refiner trained on.
+    ``llm/train_groups`` logs how many informative groups the refiner trained on (0 when none was).
 
     Overlong reward shaping (``overlong_buffer``, off by default): a refinement of ``|y|`` generated tokens
     (through its eos) gets :func:`overlong_penalty` with ``L_max = model.rollout.max_new_tokens`` and ``L_cache
@@ -162,10 +162,10 @@ class DAPO(TokenGRPO):
         keep = informative_groups(text_rewards, groups)
         if self.max_groups is not None:
             keep &= keep.cumsum(0) <= self.max_groups  # the first train_groups informative ones
-        if not keep.any():  # nothing to learn from: train on all (advantages 0), never on an empty record
-            keep = torch.ones_like(keep)
+        # The informative groups trained on: 0 when there is none, although the step then trains on all of them
+        # (advantages 0, only the KL moves), never on an empty record; logging the fallback's count would hide it.
         self._trained_groups = int(keep.sum())
-        return keep
+        return keep if keep.any() else torch.ones_like(keep)
 
     def metrics(self, name: str, record: LMRecord) -> dict[str, Tensor | float]:
         metrics = super().metrics(name, record)

@@ -25,6 +25,7 @@ from unirl_pl.method.advantages import AdvantageConfig, compute_advantages, text
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
 from unirl_pl.rewards.builtin import term_stats
+from unirl_pl.rewards.metadata import Metadata, accepts_metadata
 from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
 from unirl_pl.versioning import VersionLedger
 
@@ -72,15 +73,31 @@ class ExperienceSource:
         names, self._chunk = remote_terms(getattr(self.reward, "terms", {}))
         self._remote = {name: partial(self.reward.score_term, name) for name in names}
         self._normalizes = getattr(self.reward, "normalize", "none") == "group"
+        # Prompt metadata goes only to a reward that declares it (WeightedSum does, and hands it on to the terms
+        # that declare it); the signature is read once.
+        self._takes_metadata = accepts_metadata(self.reward)
 
     def _decode_and_score(
-        self, latents: Tensor, prompts: list[str], refined: list[str], groups: Tensor
+        self,
+        latents: Tensor,
+        prompts: list[str],
+        refined: list[str],
+        groups: Tensor,
+        metadata: list[Metadata] | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
         extra: dict = {"groups": groups, "batch_std": self.batch_std} if self._normalizes else {}
+        if metadata is not None and self._takes_metadata:
+            extra["metadata"] = metadata
         if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
             images, extra["pending"] = decode_while_scoring(
-                self.conditioning.decode, latents, self._chunk, self._remote, prompts, refined
+                self.conditioning.decode,
+                latents,
+                self._chunk,
+                self._remote,
+                prompts,
+                refined,
+                metadata=extra.get("metadata"),
             )
         else:
             images = self.conditioning.decode(latents)
@@ -150,8 +167,10 @@ class ExperienceSource:
                 uncond=uncond,
             )
         originals = [batch.prompts[t // k] for t in img_text.tolist()]
+        # Each image gets its prompt's metadata, by the same image -> text sample -> prompt map as its prompt.
+        metadata = None if batch.metadata is None else [batch.metadata[t // k] for t in img_text.tolist()]
         groups = layout.text_prompt(p)[img_text]
-        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups)
+        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups, metadata)
         # Advantages come from the combined reward (group-normalized terms when the reward normalizes);
         # the logged reward stays the raw weighted sum.
         with timing.phase("advantages"):

@@ -11,6 +11,7 @@ import inspect
 import io
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Literal
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from unirl_pl.rewards.metadata import Metadata, accepts_metadata
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -246,12 +248,15 @@ class WeightedSum:
     [0, 1] then weigh as their weights say, not as their units do). The returned total stays the raw
     weighted sum (logged, and what validation reports); the normalized one is the parts' ``combined``.
 
+    Per-sample ``metadata`` (each prompt's row of a JSONL prompt file: :mod:`unirl_pl.rewards.metadata`) goes
+    only to the terms whose callable declares a ``metadata`` parameter; the others are called as before.
+
     Args:
         weights: Reward name (registry key or dotted path) -> weight.
         reward_args: Reward name -> constructor keyword arguments, for rewards that take some.
         nonfinite: ``error`` (stop at a NaN/inf reward) or ``drop`` (the sample's total is NaN).
-        normalize: ``none`` or ``group``: normalize each term within its group (the samples of one
-            prompt) before weighting.
+        normalize: ``none`` or ``group``: centre each term within its group (the samples of one prompt) and
+            scale it by its std over the batch before weighting (:func:`group_normalize`).
     """
 
     def __init__(
@@ -279,11 +284,36 @@ class WeightedSum:
         self.normalize = normalize
         self.dropped = 0  # samples whose total was set to NaN (nonfinite="drop"), over this object's life
         self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
+        # name -> (the term's callable, whether it declares ``metadata``): its signature is read once, and read
+        # again only if the term is replaced after construction.
+        self._wants: dict[str, tuple[RewardFn, bool]] = {}
 
-    def score_term(self, name: str, prompts: list[str], refined_prompts: list[str], images: Tensor) -> Tensor:
+    def wants_metadata(self, name: str) -> bool:
+        """Whether term ``name`` declares a ``metadata`` parameter (and so is given each sample's)."""
+        fn = self.terms[name]
+        known = self._wants.get(name)
+        if known is None or known[0] is not fn:
+            known = self._wants[name] = (fn, accepts_metadata(fn))
+        return known[1]
+
+    def score_term(
+        self,
+        name: str,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        metadata: list[Metadata] | None = None,
+    ) -> Tensor:
         """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
         fn = self.terms[name]
-        if images.ndim == 5 and not getattr(fn, "accepts_video", False):
+        video = images.ndim == 5 and not getattr(fn, "accepts_video", False)
+        if metadata is not None and self.wants_metadata(name):
+            if len(metadata) != len(prompts):
+                raise ValueError(f"reward {name!r}: {len(metadata)} metadata items for {len(prompts)} samples")
+            # Frame by frame, every frame of a video is scored with its video's metadata.
+            frames = images.shape[1] if video else 1
+            fn = partial(fn, metadata=[m for m in metadata for _ in range(frames)])
+        if video:
             return frame_mean(name, fn, prompts, refined_prompts, images)
         return as_values(name, fn(prompts, refined_prompts, images), len(prompts), "samples")
 
@@ -296,6 +326,7 @@ class WeightedSum:
         groups: Tensor | None = None,
         pending: dict[str, Callable[[], Tensor]] | None = None,
         batch_std: Callable[[Tensor], Tensor | None] | None = None,
+        metadata: list[Metadata] | None = None,
     ) -> tuple[Tensor, RewardTerms]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
@@ -304,7 +335,8 @@ class WeightedSum:
         ``groups`` (N,) are the samples' group ids for ``normalize="group"`` (default: samples with the
         same prompt form a group). ``pending`` holds terms already being scored (during decode): name ->
         a function returning their values, called here instead of the reward. ``batch_std`` returns a term's
-        std over every rank (None on one process), the scale of ``normalize="group"``.
+        std over every rank (None on one process), the scale of ``normalize="group"``. ``metadata`` (N,) is each
+        sample's prompt metadata, given to the terms that declare a ``metadata`` parameter.
         """
         pending = pending or {}
         parts = RewardTerms()
@@ -312,7 +344,7 @@ class WeightedSum:
             if name in pending:
                 parts[name] = as_values(name, pending[name](), len(prompts), "samples")
             else:
-                parts[name] = self.score_term(name, prompts, refined_prompts, images)
+                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata)
         bad = torch.zeros(len(prompts), dtype=torch.bool)
         for name, values in parts.items():
             nonfinite = ~torch.isfinite(values)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,6 +74,10 @@ class OCRReward:
         num_threads: ONNX Runtime intra-op threads per model; None keeps ONNX Runtime's default.
         use_angle_cls: Run the 180-degree text-direction classifier (Flow-GRPO leaves it off).
         video_frames: How many evenly spaced frames of a video to read; None reads all.
+        rec_model_path: A recognition model (ONNX) to use instead of the wheel's Chinese+English PP-OCRv4 one,
+            e.g. PaddleOCR's English ``en_PP-OCRv4_rec`` exported to ONNX (Flow-GRPO reads with PaddleOCR's
+            ``lang="en"``); needs ``rec_keys_path``.
+        rec_keys_path: That model's character dictionary (``en_dict.txt`` for the English model).
     """
 
     accepts_video = True  # reads (N, F, 3, H, W) itself
@@ -83,7 +88,14 @@ class OCRReward:
         num_threads: int | None = None,
         use_angle_cls: bool = False,
         video_frames: int | None = 4,
+        rec_model_path: str | None = None,
+        rec_keys_path: str | None = None,
     ) -> None:
+        if (rec_model_path is None) != (rec_keys_path is None):
+            raise ValueError("reward 'ocr': rec_model_path and rec_keys_path go together (a model and its characters)")
+        for key, path in (("rec_model_path", rec_model_path), ("rec_keys_path", rec_keys_path)):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"reward 'ocr': {key} {path!r} is not a file")
         if not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"min_confidence must be in [0, 1], got {min_confidence}")
         if video_frames is not None and video_frames < 1:
@@ -98,6 +110,7 @@ class OCRReward:
         self.min_confidence = min_confidence
         self.num_threads = num_threads
         self.use_angle_cls = use_angle_cls
+        self.rec_model_path, self.rec_keys_path = rec_model_path, rec_keys_path
         self.video_frames = video_frames
         # Built on first use: ONNX Runtime sessions cannot be pickled, and a reward may be
         # constructed in one process and sent to others before it scores anything.
@@ -117,6 +130,8 @@ class OCRReward:
             kwargs: dict[str, Any] = {"text_score": self.min_confidence, "print_verbose": False}
             if self.num_threads is not None:
                 kwargs["intra_op_num_threads"] = self.num_threads
+            if self.rec_model_path is not None:
+                kwargs |= {"rec_model_path": self.rec_model_path, "rec_keys_path": self.rec_keys_path}
             self._engine = RapidOCR(**kwargs)
         return self._engine
 

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# name -> score(prompts, refined_prompts, images) -> (n,) values, e.g. a bound ``WeightedSum.score_term``.
-TermScorer = Callable[[list[str], list[str], Tensor], Tensor]
+# name -> score(prompts, refined_prompts, images[, metadata]) -> (n,) values, e.g. a bound
+# ``WeightedSum.score_term`` (which hands the metadata on only to a term that declares it).
+TermScorer = Callable[..., Tensor]
 
 
 def overlap_chunk(term: Any) -> int | None:
@@ -44,8 +45,11 @@ def decode_while_scoring(
     prompts: list[str],
     refined_prompts: list[str],
     max_workers: int = 8,
+    metadata: list[Any] | None = None,
 ) -> tuple[Tensor, dict[str, Callable[[], Tensor]]]:
     """Decode ``latents`` ``chunk`` at a time, submitting each decoded chunk to every scorer in a thread.
+
+    With ``metadata`` (one item per sample), each chunk's scorer call gets its slice as ``metadata=``.
 
     Returns the images (all chunks concatenated, as one decode would give them) and, per scorer, a
     function that waits for its chunks and returns their values in order; an exception a scorer raised
@@ -58,8 +62,9 @@ def decode_while_scoring(
         for lo in range(0, latents.shape[0], chunk):
             pixels = decode(latents[lo : lo + chunk])
             hi = lo + pixels.shape[0]
+            extra = {} if metadata is None else {"metadata": metadata[lo:hi]}
             for name, score in scorers.items():
-                futures[name].append(pool.submit(score, prompts[lo:hi], refined_prompts[lo:hi], pixels))
+                futures[name].append(pool.submit(score, prompts[lo:hi], refined_prompts[lo:hi], pixels, **extra))
             images.append(pixels)
     except BaseException:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,67 @@
+"""Per-sample metadata for rewards: what a prompt file says about a prompt besides its text.
+
+A GenEval prompt file's rows carry the scene a prompt asks for (``{"tag": "counting", "include": [{"class":
+"cat", "count": 3}], "prompt": "a photo of three cats"}``); a scorer checks the image against that spec, so
+it must not have to parse it back out of the prompt. A reward opts in by declaring a ``metadata`` parameter,
+``reward(prompts, refined_prompts, images, metadata=None)``, and then gets one item per sample: the JSONL row
+of that sample's prompt (a dict), or None for a prompt without one. Callers pass it only to rewards that
+declare it, so every ``reward(prompts, refined_prompts, images)`` still fits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+# One sample's metadata: its prompt's JSONL row, or None (a .txt prompt, a row holding only "prompt").
+Metadata = dict[str, Any] | None
+
+_KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def accepts_metadata(fn: Any) -> bool:
+    """Whether ``fn`` (a function, or an object whose ``__call__`` is read) declares a ``metadata`` keyword.
+
+    Only a parameter of that name counts: a ``**kwargs`` catch-all may forward to code that knows nothing
+    of it, and a reward that did not ask for metadata must be called exactly as before.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins and C callables have no signature to read
+        return False
+    param = signature.parameters.get("metadata")
+    return param is not None and param.kind in _KEYWORD_KINDS
+
+
+def check_metadata(items: Any, n: int) -> list[Metadata]:
+    """``items`` as the metadata of ``n`` samples: a list of ``n`` dicts or Nones, else a ValueError saying
+    what is wrong (the reward server answers it with 400)."""
+    if not isinstance(items, list):
+        raise ValueError(f"'metadata' must be a list of one object (or null) per sample, got {type(items).__name__}")
+    if len(items) != n:
+        raise ValueError(f"'metadata' has {len(items)} items for {n} samples")
+    for i, item in enumerate(items):
+        if item is not None and not isinstance(item, dict):
+            raise ValueError(f"metadata[{i}] must be a JSON object or null, got {type(item).__name__}")
+    return items
+
+
+class WithMetadata:
+    """A weighted reward whose every call carries fixed per-sample metadata, for a caller that only knows
+    ``reward(prompts, refined_prompts, images)`` (validation and predict score a batch that way).
+
+    Everything else (``terms``, ``weights``, ...) is the wrapped reward's.
+    """
+
+    def __init__(self, reward: Any, metadata: list[Metadata]) -> None:
+        self.reward, self.metadata = reward, metadata
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not set in __init__: the wrapped reward answers them. Its own two fields are
+        # refused here, so a half-built copy (copy, pickle) cannot recurse looking for ``reward``.
+        if name in ("reward", "metadata"):
+            raise AttributeError(name)
+        return getattr(self.reward, name)
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Any, **kwargs: Any) -> Any:
+        return self.reward(prompts, refined_prompts, images, metadata=self.metadata, **kwargs)
