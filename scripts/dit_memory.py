@@ -31,9 +31,10 @@ def measure(window: int, per_step: bool) -> float:
     import torch
 
     from unirl_pl.algorithms import FlowGRPO
+    from unirl_pl.algorithms.drivers import dit_loss
     from unirl_pl.experts import FlowTransformerExpert
     from unirl_pl.loops import DiffusionDenoise, RolloutConfig
-    from unirl_pl.method import ExpertLoss, dit_loss
+    from unirl_pl.method import ExpertLoss
 
     torch.set_num_threads(1)
     expert = FlowTransformerExpert(sample_size=32, patch_size=2, num_layers=4, attention_head_dim=32,

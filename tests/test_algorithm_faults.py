@@ -25,10 +25,11 @@ import pytest
 import torch
 
 from unirl_pl.algorithms import DiffusionNFT, FlowGRPO
+from unirl_pl.algorithms.drivers import LossInputs
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.loops.config import SampleRequest, StepPlan
 from unirl_pl.losses import nft_loss
-from unirl_pl.method.grpo import ExpertLoss, LossInputs
+from unirl_pl.method import ExpertLoss
 from unirl_pl.records import DiTRecord
 from unirl_pl.sampling import compress_tail, flow_sigmas
 

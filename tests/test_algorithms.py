@@ -26,14 +26,7 @@ from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.group_stats import informative_groups
 from unirl_pl.loops import RolloutConfig
-from unirl_pl.losses import (
-    grpo_guard_loss,
-    grpo_token_loss,
-    gspo_loss,
-    nft_loss,
-    optimality_probability,
-    refiner_token_loss,
-)
+from unirl_pl.losses import grpo_guard_loss, nft_loss, optimality_probability, token_policy_loss
 from unirl_pl.records import DiTRecord, FlowPointsRecord
 from unirl_pl.sampling import compress_tail, cps_step_with_logprob, dpm_solver_2m_step, flow_sigmas, flow_x0, ode_step
 
@@ -164,26 +157,26 @@ def test_grpo_guard_ratio_is_centred_and_reweighted_per_step():
     assert torch.equal(logp.grad, torch.zeros(2)) and float(far.clip_frac_high) == 1.0
 
 
-def test_refiner_token_loss_clip_higher_and_aggregation_by_hand():
+def test_token_policy_loss_clip_higher_and_aggregation_by_hand():
     logp = torch.log(torch.tensor([[1.25, 0.9, 1.0], [1.5, 1.0, 1.0]]))
     old = torch.zeros(2, 3)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, 1.0])
     # Symmetric 0.2: the ratio 1.25 is clipped to 1.2, 1.5 to 1.2; clip-higher 0.28 keeps 1.25, clips 1.5 to 1.28.
-    sym = refiner_token_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
-    high = refiner_token_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    sym = token_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.2)
+    high = token_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
     assert float(sym.pg_loss) == pytest.approx(-(1.2 + 0.9 + 1.2) / 3)
     assert float(high.pg_loss) == pytest.approx(-(1.25 + 0.9 + 1.28) / 3)
     assert float(high.clip_frac_high) == pytest.approx(1 / 3) and float(sym.clip_frac_high) == pytest.approx(2 / 3)
-    seq = refiner_token_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation="sequence_mean")
+    seq = token_policy_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, aggregation="sequence_mean")
     assert float(seq.pg_loss) == pytest.approx(-((1.25 + 0.9) / 2 + 1.28) / 2)
-    # Symmetric and token-mean is the project's token GRPO exactly.
+    # The defaults are the project's token GRPO: symmetric 0.2, token mean.
     ref = logp - 0.1
-    a = refiner_token_loss(logp, old, adv, mask, ref_logp=ref, eps_low=0.2, eps_high=0.2, beta=0.3)
-    b = grpo_token_loss(logp, old, adv, mask, ref_logp=ref, clip_eps=0.2, beta=0.3)
+    a = token_policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.3)
+    b = token_policy_loss(logp, old, adv, mask, ref_logp=ref, eps_low=0.2, eps_high=0.2, beta=0.3)
     assert torch.equal(a.loss, b.loss) and torch.equal(a.kl, b.kl)
     with pytest.raises(ValueError, match="aggregation"):
-        refiner_token_loss(logp, old, adv, mask, aggregation="sum")
+        token_policy_loss(logp, old, adv, mask, aggregation="sum")  # type: ignore[arg-type]
 
 
 def test_gspo_ratio_is_per_sequence_by_hand():
@@ -191,7 +184,7 @@ def test_gspo_ratio_is_per_sequence_by_hand():
     old = torch.zeros(2, 3)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([2.0, -1.0])
-    out = gspo_loss(logp, old, adv, mask, eps_low=0.1, eps_high=0.1)
+    out = token_policy_loss(logp, old, adv, mask, eps_low=0.1, eps_high=0.1, aggregation="sequence_ratio")
     # Row 0: geometric mean of exp(0.1), exp(-0.1) is 1 (the masked 5.0 does not count); row 1: exp(0.3)
     # is clipped to 1.1 with a negative advantage: max(-A r, -A 1.1) = r.
     assert float(out.ratio_min) == pytest.approx(1.0) and float(out.ratio_max) == pytest.approx(math.exp(0.3))
@@ -269,7 +262,8 @@ def test_refiner_algorithms_validate_their_settings():
         TokenGRPO(aggregation="sum")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="clip ranges"):
         GSPO(clip_eps_low=0.0)
-    assert DAPO().clip_eps_high == 0.28 and TokenGRPO().plain and not DAPO().plain
+    assert DAPO().clip_eps_high == 0.28 and TokenGRPO().clip_eps_high is None
+    assert TokenGRPO().aggregation == DAPO().aggregation == "token_mean"
 
 
 def test_informative_groups_by_hand():

@@ -21,7 +21,7 @@ from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
 from unirl_pl.loops import DiffusionDenoise
-from unirl_pl.losses import flow_grpo_loss, grpo_token_loss, k3_kl
+from unirl_pl.losses import flow_grpo_loss, k3_kl, token_policy_loss
 from unirl_pl.records import Experience
 from unirl_pl.sampling import flow_kl
 
@@ -311,7 +311,7 @@ def test_k3_kl_is_an_unbiased_estimate_of_kl_policy_to_reference():
 
 
 def test_llm_loss_ignores_positions_outside_the_generation_mask(model, clean_exp):
-    """Fault: the LM loss hands ``grpo_token_loss`` an all-ones mask instead of ``gen_mask``."""
+    """Fault: the LM loss hands ``token_policy_loss`` an all-ones mask instead of ``gen_mask``."""
     lm = clean_exp.lm
     assert lm is not None
     # Rows 0 and 3 ended early (as after an eos): their tail tokens are not part of the refinement.
@@ -330,7 +330,9 @@ def test_llm_loss_ignores_positions_outside_the_generation_mask(model, clean_exp
         logp = model.ar_decode.score(lm)
         with model.llm.adapter_disabled():
             ref = model.ar_decode.score(lm)
-    expected = grpo_token_loss(logp, old_logp, advantages, gen_mask, ref_logp=ref, **LLM_LOSS)
+    eps, beta = LLM_LOSS["clip_eps"], LLM_LOSS["beta"]
+    clip = {"eps_low": eps, "eps_high": eps, "beta": beta}
+    expected = token_policy_loss(logp, old_logp, advantages, gen_mask, ref_logp=ref, **clip)
     assert float(out.loss.detach()) == pytest.approx(float(expected.loss), rel=1e-5, abs=1e-7)
-    everything = grpo_token_loss(logp, old_logp, advantages, torch.ones_like(gen_mask), ref_logp=ref, **LLM_LOSS)
+    everything = token_policy_loss(logp, old_logp, advantages, torch.ones_like(gen_mask), ref_logp=ref, **clip)
     assert abs(float(everything.loss) - float(expected.loss)) > 1e-3, "power: the masked tokens do matter"

@@ -1,8 +1,10 @@
+import math
+
 import pytest
 import torch
 
 from unirl_pl.group_stats import group_advantages, zero_std_fraction
-from unirl_pl.losses import flow_grpo_loss, grpo_token_loss, k3_kl
+from unirl_pl.losses import AGGREGATIONS, aggregation_units, flow_grpo_loss, k3_kl, token_policy_loss
 
 
 def test_group_advantages_normalize_within_groups():
@@ -55,20 +57,106 @@ def test_k3_is_zero_when_policy_equals_reference_and_positive_otherwise():
     assert (k3_kl(lp, lp + 0.3) > 0).all()
 
 
-def test_grpo_token_loss_masks_padding_and_adds_kl():
+def test_token_policy_loss_masks_padding_and_adds_kl():
     lp = torch.tensor([[-1.0, -1.0, 0.0], [-2.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([1.0, -1.0])
-    out = grpo_token_loss(lp, lp.clone(), adv, mask, ref_logp=lp.clone(), beta=0.5)
+    out = token_policy_loss(lp, lp.clone(), adv, mask, ref_logp=lp.clone(), beta=0.5)
     # token-level: (-1 -1 +1) / 3 real tokens
     assert float(out.pg_loss) == pytest.approx(-1 / 3)
     assert float(out.kl) == 0.0
     garbage = lp.clone()
     garbage[0, 2] = 50.0  # a padded position must not matter
-    out2 = grpo_token_loss(garbage, lp.clone(), adv, mask, ref_logp=lp.clone(), beta=0.5)
+    out2 = token_policy_loss(garbage, lp.clone(), adv, mask, ref_logp=lp.clone(), beta=0.5)
     assert float(out2.loss) == pytest.approx(float(out.loss))
-    shifted = grpo_token_loss(lp, lp.clone(), adv, mask, ref_logp=lp - 0.5, beta=0.5)
+    shifted = token_policy_loss(lp, lp.clone(), adv, mask, ref_logp=lp - 0.5, beta=0.5)
     assert float(shifted.kl) > 0 and float(shifted.loss) > float(out.loss)
+
+
+# The token loss's three aggregations on one batch where each gives its own number. Rows: 3 real tokens with
+# log-ratios (0.2, 0, -0.2) and advantage 1; 1 real token with log-ratio 0.4 and advantage 2; no real token
+# (advantage 5, which would move every mean if the empty row counted). Clip 0.3 on both sides: only the
+# token ratio e^0.4 = 1.49 clips (to 1.3, its advantage positive: the high side). The reference sits at
+# per-token offsets, so a token mean and a per-row mean of the KL differ too.
+_LOG_RATIO = [[0.2, 0.0, -0.2], [0.4, 0.0, 0.0], [0.0, 0.0, 0.0]]
+_MASK = [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
+_REF_OFFSET = [[0.1, -0.3, 0.5], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0]]
+_ADV = [1.0, 2.0, 5.0]
+
+
+def _k3(offset: float) -> float:
+    return math.exp(offset) - offset - 1
+
+
+def _mode(aggregation: str):
+    old = torch.full((3, 3), -1.0)
+    logp = old + torch.tensor(_LOG_RATIO)
+    mask = torch.tensor(_MASK, dtype=torch.bool)
+    ref = logp + torch.tensor(_REF_OFFSET)
+    return token_policy_loss(
+        logp, old, torch.tensor(_ADV), mask, ref_logp=ref, eps_low=0.3, eps_high=0.3, beta=0.5, aggregation=aggregation
+    )
+
+
+# The per-token KL of the two rows with real tokens, from the reference's offsets.
+_KL_ROW0 = [_k3(d) for d in _REF_OFFSET[0]]
+_KL_ROW1 = [_k3(_REF_OFFSET[1][0])]
+
+
+def test_token_mean_averages_every_real_token_of_the_batch():
+    out = _mode("token_mean")
+    terms = [-math.exp(0.2), -1.0, -math.exp(-0.2), -2 * 1.3]
+    assert float(out.pg_loss) == pytest.approx(sum(terms) / 4)
+    assert float(out.kl) == pytest.approx(sum(_KL_ROW0 + _KL_ROW1) / 4)
+    assert float(out.loss) == pytest.approx(sum(terms) / 4 + 0.5 * sum(_KL_ROW0 + _KL_ROW1) / 4)
+    assert float(out.clip_frac_high) == pytest.approx(1 / 4) and float(out.clip_frac_low) == 0.0
+    # The ratio statistics are over real tokens.
+    assert float(out.ratio_min) == pytest.approx(math.exp(-0.2))
+    assert float(out.ratio_max) == pytest.approx(math.exp(0.4))
+    assert float(out.ratio_mean) == pytest.approx((math.exp(0.2) + 1 + math.exp(-0.2) + math.exp(0.4)) / 4)
+
+
+def test_sequence_mean_averages_each_rows_token_mean_over_the_rows_with_a_token():
+    out = _mode("sequence_mean")
+    row0 = (-math.exp(0.2) - 1.0 - math.exp(-0.2)) / 3
+    assert float(out.pg_loss) == pytest.approx((row0 - 2 * 1.3) / 2)
+    assert float(out.kl) == pytest.approx((sum(_KL_ROW0) / 3 + _KL_ROW1[0]) / 2)
+    assert float(out.clip_frac_high) == pytest.approx((0 + 1) / 2)
+    # The ratio is still per token: its statistics too.
+    assert float(out.ratio_min) == pytest.approx(math.exp(-0.2))
+    assert float(out.ratio_max) == pytest.approx(math.exp(0.4))
+
+
+def test_sequence_ratio_clips_one_geometric_mean_ratio_per_row():
+    out = _mode("sequence_ratio")
+    # Row 0's geometric mean ratio is exp(mean(0.2, 0, -0.2)) = 1; row 1's is e^0.4, clipped to 1.3.
+    assert float(out.pg_loss) == pytest.approx((-1.0 * 1.0 - 2 * 1.3) / 2)
+    assert float(out.kl) == pytest.approx((sum(_KL_ROW0) / 3 + _KL_ROW1[0]) / 2)
+    assert float(out.clip_frac_high) == pytest.approx(1 / 2)
+    assert float(out.ratio_min) == pytest.approx(1.0) and float(out.ratio_max) == pytest.approx(math.exp(0.4))
+    assert float(out.ratio_mean) == pytest.approx((1.0 + math.exp(0.4)) / 2)
+
+
+def test_sequence_ratio_weights_a_row_by_the_geometric_mean_of_its_tokens_weights():
+    logp, old = torch.zeros(2, 2), torch.zeros(2, 2)
+    mask = torch.tensor([[1, 1], [1, 0]], dtype=torch.bool)
+    weights = torch.tensor([[4.0, 0.25], [3.0, 100.0]])  # geometric means 1 and 3 (the padded 100 unused)
+    out = token_policy_loss(logp, old, torch.ones(2), mask, aggregation="sequence_ratio", is_weights=weights)
+    assert float(out.pg_loss) == pytest.approx(-(1.0 + 3.0) / 2)
+    # Per token, the same weights are an arithmetic mean over the real tokens.
+    per_token = token_policy_loss(logp, old, torch.ones(2), mask, is_weights=weights)
+    assert float(per_token.pg_loss) == pytest.approx(-(4.0 + 0.25 + 3.0) / 3)
+
+
+def test_the_three_aggregations_differ_and_an_unknown_one_is_refused():
+    losses = {mode: float(_mode(mode).pg_loss) for mode in AGGREGATIONS}
+    assert len(set(losses.values())) == 3, losses
+    mask = torch.tensor(_MASK, dtype=torch.bool)
+    assert torch.equal(aggregation_units(mask, "token_mean"), mask)
+    assert aggregation_units(mask, "sequence_mean").tolist() == aggregation_units(mask, "sequence_ratio").tolist()
+    assert aggregation_units(mask, "sequence_ratio").tolist() == [True, True, False]
+    with pytest.raises(ValueError, match="aggregation must be one of"):
+        _mode("sum")
 
 
 def test_bad_shapes_are_refused():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_guard_loss, gspo_loss, refiner_token_loss
-from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_guard_loss, token_policy_loss
+from unirl_pl.method import ExpertLoss
 from unirl_pl.method.minibatch import minibatch_of, minibatch_rows
 from unirl_pl.metrics import update_metrics
 from unirl_pl.records import DiTRecord, FlowPointsRecord, rechunk
@@ -162,7 +162,7 @@ def _guard(clip: float):
 def _dapo(clip_high: float):
     def fn(lp, old, adv):
         mask = torch.ones(lp.shape[0], 1, dtype=torch.bool)
-        return refiner_token_loss(lp[:, None], old[:, None], adv, mask, eps_low=0.2, eps_high=clip_high)
+        return token_policy_loss(lp[:, None], old[:, None], adv, mask, eps_low=0.2, eps_high=clip_high)
 
     return fn
 
@@ -170,7 +170,9 @@ def _dapo(clip_high: float):
 def _gspo(clip: tuple[float, float]):
     def fn(lp, old, adv):
         mask = torch.ones(lp.shape[0], 1, dtype=torch.bool)
-        return gspo_loss(lp[:, None], old[:, None], adv, mask, eps_low=clip[0], eps_high=clip[1])
+        return token_policy_loss(
+            lp[:, None], old[:, None], adv, mask, eps_low=clip[0], eps_high=clip[1], aggregation="sequence_ratio"
+        )
 
     return fn
 

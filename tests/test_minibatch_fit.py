@@ -14,7 +14,7 @@ from tests.helpers import TINY, read_metrics, series
 from unirl_pl.card import Card
 from unirl_pl.cli import main
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.method import ExpertLoss
 from unirl_pl.method.policy import PolicyLosses
 from unirl_pl.records import DiTRecord, Experience, LMRecord
 

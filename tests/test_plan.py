@@ -3,7 +3,7 @@
 The plan's trace of a step on fake tensors must equal the same code on real CPU tensors (tiny pipeline,
 tracker peaks per phase within 10%); the DiT update's own peak must not grow with the number of samples
 when it runs in micro-batches (the project's update path: a record from ``DiffusionDenoise.sample``
-trained by ``grpo.dit_loss``); the shipped configs must build the published models' sizes; and the CLI
+trained by ``drivers.dit_loss``); the shipped configs must build the published models' sizes; and the CLI
 prints its table, writes JSON and refuses a bad recipe in one line.
 """
 
@@ -26,11 +26,11 @@ from transformers import (
 from tests.chat_lm import make_qwen2_chat_lm
 from tests.pipelines import make_sd3_pipeline
 from unirl_pl.algorithms import FlowGRPO
+from unirl_pl.algorithms.drivers import dit_loss
 from unirl_pl.cli import main
 from unirl_pl.generators import SD3Generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.method import ExpertLoss
-from unirl_pl.method.grpo import dit_loss
 from unirl_pl.plan.models import SHIPPED, meta_model, resolve_folder
 from unirl_pl.plan.planner import plan_step
 from unirl_pl.plan.recipe import RecipeError, apply_override, merge, read_recipes, step_recipe

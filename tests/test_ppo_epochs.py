@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import unirl_pl.method.grpo as grpo
+import unirl_pl.algorithms.drivers as drivers
 from tests.helpers import read_metrics, run_cli, series
 
 FAST = (
@@ -41,8 +41,8 @@ def test_ratio_leaves_one_only_from_the_second_epoch(tmp_path, monkeypatch):
 
         return wrapper
 
-    monkeypatch.setattr(grpo, "grpo_token_loss", recording("llm", grpo.grpo_token_loss))
-    monkeypatch.setattr(grpo, "flow_grpo_loss", recording("transformer", grpo.flow_grpo_loss))
+    monkeypatch.setattr(drivers, "token_policy_loss", recording("llm", drivers.token_policy_loss))
+    monkeypatch.setattr(drivers, "flow_grpo_loss", recording("transformer", drivers.flow_grpo_loss))
     run_cli(tmp_path, "--trainer.max_steps=2", EPOCHS, *FAST)
     # Loss calls per PPO epoch: one for the LM, one per SDE window step for the DiT (window [0, 2]).
     # LM: KV-cache decode vs teacher-forced forward differ by float32 kernel noise (up to 1.1e-5 measured).

@@ -327,3 +327,16 @@ def test_open_clip_conversion_covers_every_tensor_and_rejects_a_mismatched_confi
         HPSv2(pretrained_path=ckpt, clip_path=str(small))
     with pytest.raises(ValueError, match="reward 'hpsv2': its checkpoint .* is not a file"):
         HPSv2(pretrained_path=str(tmp_path), clip_path=clip)
+
+
+def test_images_three_pixels_tall_are_read_channels_last(clip_dir):
+    """The processor infers the channel axis from the shape unless told: a (3, W, 3) array would pass as
+    channels first. Each image's pixels must equal the processor's on that image alone, told it is HWC."""
+    from unirl_pl.rewards.clip_models import quantize
+
+    scorer = resolve_reward("pickscore", {"pretrained_path": clip_dir, "processor_path": clip_dir})
+    images = torch.rand(2, 3, 3, 40, generator=torch.Generator().manual_seed(1))
+    proc = CLIPImageProcessor.from_pretrained(clip_dir)
+    arrays = list(quantize(images).permute(0, 2, 3, 1).numpy())
+    expected = proc(images=arrays, return_tensors="pt", input_data_format="channels_last")["pixel_values"]
+    torch.testing.assert_close(scorer.pixels(images), expected, rtol=0, atol=0)

@@ -18,15 +18,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-import unirl_pl.method.grpo as grpo
+import unirl_pl.algorithms.drivers as drivers
 from tests.helpers import ROOT, TINY, read_metrics, series, subprocess_env
+from unirl_pl.algorithms.drivers import anchor_and_weights
 from unirl_pl.callbacks import LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
 from unirl_pl.cli import main
 from unirl_pl.data import PromptBatch
-from unirl_pl.losses import flow_grpo_loss, grpo_token_loss
+from unirl_pl.losses import flow_grpo_loss, token_policy_loss
 from unirl_pl.method import ExpertLoss
-from unirl_pl.method.grpo import anchor_and_weights
 from unirl_pl.rollout_correction import rollout_correction_stats, truncated_importance_weights
 
 FAST = (
@@ -85,8 +85,8 @@ def test_unit_weights_leave_both_losses_unchanged():
     logp, old = torch.randn(4, 6, generator=gen), torch.randn(4, 6, generator=gen) * 0.1
     adv, mask = torch.randn(4, generator=gen), torch.rand(4, 6, generator=gen) > 0.3
     ref = logp + 0.1
-    plain = grpo_token_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1)
-    ones = grpo_token_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, is_weights=torch.ones(4, 6))
+    plain = token_policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1)
+    ones = token_policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, is_weights=torch.ones(4, 6))
     assert torch.equal(plain.loss, ones.loss)
     step, step_old = torch.randn(4, generator=gen), torch.randn(4, generator=gen) * 1e-4
     kl = torch.rand(4, generator=gen)
@@ -110,7 +110,7 @@ def test_weights_scale_each_terms_policy_gradient_and_not_the_kl(which):
             out = flow_grpo_loss(logp, old, adv, kl=kl, beta=beta, is_weights=is_weights)
         else:
             mask = torch.ones_like(logp, dtype=torch.bool)
-            out = grpo_token_loss(logp, old, adv, mask, ref_logp=logp.detach() - 1, beta=beta, is_weights=is_weights)
+            out = token_policy_loss(logp, old, adv, mask, ref_logp=logp.detach() - 1, beta=beta, is_weights=is_weights)
         out.loss.backward()
         return logp.grad.clone()
 
@@ -249,8 +249,8 @@ def test_bf16_run_with_the_correction_trains_and_anchors_every_epoch_at_the_firs
 
         return wrapper
 
-    monkeypatch.setattr(grpo, "grpo_token_loss", recording("llm", grpo.grpo_token_loss))
-    monkeypatch.setattr(grpo, "flow_grpo_loss", recording("transformer", grpo.flow_grpo_loss))
+    monkeypatch.setattr(drivers, "token_policy_loss", recording("llm", drivers.token_policy_loss))
+    monkeypatch.setattr(drivers, "flow_grpo_loss", recording("transformer", drivers.flow_grpo_loss))
     cli = fit(tmp_path, LogProbIdentityCheck(), "--trainer.max_steps=2", "--model.ppo_epochs=2", *BF16, *TIS)
     rows = read_metrics(cli)
     assert cli.trainer.global_step == 2 and len(series(rows, "reward/mean")) == 2

@@ -19,7 +19,7 @@ from unirl_pl.algorithms import LossInputs
 from unirl_pl.experts import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.loops.ar_decode import positions, process_logits
-from unirl_pl.losses import grpo_token_loss, gspo_loss, refiner_token_loss
+from unirl_pl.losses import token_policy_loss
 from unirl_pl.method import ExpertLoss
 
 TOP_K = 3
@@ -122,10 +122,12 @@ def _padded_inputs():
 
 
 LOSSES = {
-    "grpo_token_loss": lambda *a, **k: grpo_token_loss(*a, **k),
-    "token_mean": lambda *a, **k: refiner_token_loss(*a, **k),
-    "sequence_mean": lambda *a, **k: refiner_token_loss(*a, aggregation="sequence_mean", **k),
-    "gspo_loss": lambda *a, **k: gspo_loss(*a, eps_low=0.05, eps_high=0.05, **k),
+    "token_mean": lambda *a, **k: token_policy_loss(*a, **k),
+    "clip_higher": lambda *a, **k: token_policy_loss(*a, eps_high=0.28, **k),
+    "sequence_mean": lambda *a, **k: token_policy_loss(*a, aggregation="sequence_mean", **k),
+    "sequence_ratio": lambda *a, **k: token_policy_loss(
+        *a, eps_low=0.05, eps_high=0.05, aggregation="sequence_ratio", **k
+    ),
 }
 
 

@@ -34,6 +34,10 @@ DEFAULT_PROMPTS = (
 )
 DEFAULT_VAL_PROMPTS = ("a green circle", "two blue triangles", "a red square below a yellow circle", "a purple circle")
 
+# A prompt's metadata: its whole JSONL row when the row holds more than "prompt" (GenEval's "tag" and
+# "include"), else None. Rewards that declare a ``metadata`` parameter get it per sample.
+PromptMeta = dict[str, Any] | None
+
 
 def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFAULT_PROMPTS) -> list[str]:
     """Prompts from a list, a ``.txt`` file (one per line) or a ``.jsonl`` file (``{"prompt": ...}`` rows).
@@ -43,8 +47,20 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
     UTF-8. A missing file, a file or list without prompts, and a list item that is not a string are errors.
     A prompt file shipped in ``unirl_pl/assets`` must match ``MANIFEST.sha256``.
     """
+    return load_prompt_records(source, default)[0]
+
+
+def load_prompt_records(
+    source: str | list[str] | None, default: tuple[str, ...] = DEFAULT_PROMPTS
+) -> tuple[list[str], list[PromptMeta] | None]:
+    """The prompts as :func:`load_prompts` reads them, and each prompt's metadata (aligned with them).
+
+    A ``.jsonl`` row with fields besides ``"prompt"`` (GenEval's ``{"tag", "include", "prompt"}``) is kept
+    whole as its prompt's metadata; a row with only ``"prompt"`` gives None. The metadata list is None when
+    no prompt has any (``.txt`` files, inline lists, the embedded sets), so such runs are unchanged.
+    """
     if source is None:
-        return list(default)
+        return list(default), None
     if isinstance(source, (list, tuple)):
         bad = [(i, item) for i, item in enumerate(source) if not isinstance(item, str)]
         if bad:
@@ -53,12 +69,12 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
         prompts = [p.strip() for p in source if p.strip()]
         if not prompts:
             raise ValueError("the prompt list is empty (or holds only blank strings)")
-        return prompts
+        return prompts, None
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {str(path)!r} does not exist")
     verify_assets(path)  # a shipped prompt file (unirl_pl/assets) must match its manifest hash; others pass
-    prompts = []
+    prompts, metadata = [], []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -75,15 +91,17 @@ def load_prompts(source: str | list[str] | None, default: tuple[str, ...] = DEFA
             if not line.strip():
                 continue
             if path.suffix == ".jsonl":
-                prompts.append(_jsonl_prompt(path, lineno, line))
+                prompt, meta = _jsonl_prompt(path, lineno, line)
             else:
-                prompts.append(line.strip())
+                prompt, meta = line.strip(), None
+            prompts.append(prompt)
+            metadata.append(meta)
     if not prompts:
         raise ValueError(f"prompt file {str(path)!r} holds no prompts (it is empty or all lines are blank)")
-    return prompts
+    return prompts, metadata if any(m is not None for m in metadata) else None
 
 
-def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
+def _jsonl_prompt(path: Path, lineno: int, line: str) -> tuple[str, PromptMeta]:
     try:
         row = json.loads(line)
     except json.JSONDecodeError as err:
@@ -93,7 +111,8 @@ def _jsonl_prompt(path: Path, lineno: int, line: str) -> str:
     prompt = row["prompt"].strip()
     if not prompt:
         raise ValueError(f"{path}:{lineno}: the 'prompt' field is empty; remove the row or give it a prompt")
-    return prompt
+    # The whole row, as GenEval's scorer reads it (its "prompt" included); nothing more to say: None.
+    return prompt, row if len(row) > 1 else None
 
 
 @dataclass
@@ -102,7 +121,8 @@ class PromptBatch:
 
     ``num_real`` counts the leading prompts that are real; the rest pad an evaluation shard so every rank
     runs the same number of batches (None: all are real). ``seed`` seeds every sample's randomness with
-    the request ids; ``layout`` says how many samples each prompt gets.
+    the request ids; ``layout`` says how many samples each prompt gets. ``metadata`` is each prompt's
+    metadata (its JSONL row, or None), aligned with ``prompts``; None when the prompt file has none.
     """
 
     prompts: list[str]
@@ -110,6 +130,7 @@ class PromptBatch:
     num_real: int | None = None
     seed: int = 0
     layout: GroupLayout = field(default_factory=GroupLayout)
+    metadata: list[PromptMeta] | None = None
 
     @property
     def real(self) -> int:
@@ -126,10 +147,18 @@ class _PromptStream(IterableDataset):
     """
 
     def __init__(
-        self, prompts: list[str], per_step: int, seed: int, rank: int, world: int, start_step: int, layout: GroupLayout
+        self,
+        prompts: list[str],
+        per_step: int,
+        seed: int,
+        rank: int,
+        world: int,
+        start_step: int,
+        layout: GroupLayout,
+        metadata: list[PromptMeta] | None = None,
     ) -> None:
         self.prompts, self.per_step, self.seed, self.layout = prompts, per_step, seed, layout
-        self.rank, self.world, self.start_step = rank, world, start_step
+        self.rank, self.world, self.start_step, self.metadata = rank, world, start_step, metadata
 
     def _item(self, position: int) -> int:
         n = len(self.prompts)
@@ -143,7 +172,10 @@ class _PromptStream(IterableDataset):
         while True:
             first = step * self.per_step + self.rank * local
             positions = list(range(first, first + local))
-            yield PromptBatch([self.prompts[self._item(p)] for p in positions], positions, None, self.seed, self.layout)
+            items = [self._item(p) for p in positions]
+            # Metadata is picked by the same item indices as the prompts, so shuffling and sharding keep them paired.
+            meta = None if self.metadata is None else [self.metadata[i] for i in items]
+            yield PromptBatch([self.prompts[i] for i in items], positions, None, self.seed, self.layout, meta)
             step += 1
 
 
@@ -155,10 +187,18 @@ class _FixedPrompts(torch.utils.data.Dataset):
     ``PromptBatch.num_real`` so it is never scored or written.
     """
 
-    def __init__(self, prompts: list[str], per_batch: int, rank: int, world: int, seed: int) -> None:
+    def __init__(
+        self,
+        prompts: list[str],
+        per_batch: int,
+        rank: int,
+        world: int,
+        seed: int,
+        metadata: list[PromptMeta] | None = None,
+    ) -> None:
         self.ids = list(range(rank, len(prompts), world))
         self.length = -(-len(prompts) // world)
-        self.prompts, self.per_batch, self.seed = prompts, per_batch, seed
+        self.prompts, self.per_batch, self.seed, self.metadata = prompts, per_batch, seed, metadata
 
     def __len__(self) -> int:
         return (self.length + self.per_batch - 1) // self.per_batch
@@ -167,8 +207,11 @@ class _FixedPrompts(torch.utils.data.Dataset):
         positions = range(i * self.per_batch, min((i + 1) * self.per_batch, self.length))
         ids = [self.ids[p] if p < len(self.ids) else self.ids[0] if self.ids else 0 for p in positions]
         real = sum(p < len(self.ids) for p in positions)
+        meta = None if self.metadata is None else [self.metadata[j] for j in ids]
         # Negative request ids keep evaluation randomness apart from training's.
-        return PromptBatch([self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real, seed=self.seed)
+        return PromptBatch(
+            [self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real, seed=self.seed, metadata=meta
+        )
 
 
 def _identity(batch: list[PromptBatch]) -> PromptBatch:
@@ -182,7 +225,9 @@ class PromptDataModule(pl.LightningDataModule):
     batch into an experience (its ``on_after_batch_transfer``).
 
     Args:
-        prompts: Training prompts: a ``.txt``/``.jsonl`` path, an inline list, or null for the embedded set.
+        prompts: Training prompts: a ``.txt``/``.jsonl`` path, an inline list, or null for the embedded set. A
+            ``.jsonl`` row's other fields (GenEval's ``tag``/``include``) ride along as the prompt's metadata
+            (:attr:`PromptBatch.metadata`), for rewards that declare a ``metadata`` parameter.
         val_prompts: Held-out prompts for ``validate`` (same forms), scored on the deterministic serve path.
         predict_prompts: Prompts for ``predict`` (same forms); null uses ``val_prompts``.
         prompts_per_step: Prompts per optimizer step, summed over all ranks (divisible by the world size).
@@ -218,10 +263,12 @@ class PromptDataModule(pl.LightningDataModule):
         super().__init__()
         check_prompt_counts(prompts_per_step, val_batch_size, val_images_per_prompt)
         self.layout = GroupLayout(samples_per_prompt, num_skip_refinement, images_per_refinement)
-        self.train_prompts = load_prompts(prompts)
-        self.val_prompt_list = load_prompts(val_prompts, DEFAULT_VAL_PROMPTS)
-        self.predict_prompt_list = (
-            load_prompts(predict_prompts) if predict_prompts is not None else self.val_prompt_list
+        self.train_prompts, self.train_metadata = load_prompt_records(prompts)
+        self.val_prompt_list, self.val_metadata = load_prompt_records(val_prompts, DEFAULT_VAL_PROMPTS)
+        self.predict_prompt_list, self.predict_metadata = (
+            load_prompt_records(predict_prompts)
+            if predict_prompts is not None
+            else (self.val_prompt_list, self.val_metadata)
         )
         self.prompts_per_step = prompts_per_step
         self.val_batch_size, self.val_images_per_prompt = val_batch_size, val_images_per_prompt
@@ -239,21 +286,25 @@ class PromptDataModule(pl.LightningDataModule):
             raise ValueError(f"prompts_per_step={self.prompts_per_step} must be divisible by the world size {world}")
         # The stream resumes at the RL step the trainer is at (one global step per RL step).
         start = self.trainer.global_step if self.trainer is not None else 0
-        stream = _PromptStream(self.train_prompts, self.prompts_per_step, self.seed, rank, world, start, self.layout)
+        stream = _PromptStream(
+            self.train_prompts, self.prompts_per_step, self.seed, rank, world, start, self.layout, self.train_metadata
+        )
         return DataLoader(stream, batch_size=None)
 
-    def _fixed(self, prompts: list[str]) -> DataLoader:
+    def _fixed(self, prompts: list[str], metadata: list[PromptMeta] | None) -> DataLoader:
         rank, world = self._world()
         seed = self.seed if self.val_seed is None else self.val_seed
-        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed)
+        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed, metadata)
         return DataLoader(shard, batch_size=1, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:
         # Copy-major: the list's index is the request id, so copy c of prompt j draws its own noise.
-        return self._fixed(self.val_prompt_list * self.val_images_per_prompt)
+        copies = self.val_images_per_prompt
+        metadata = None if self.val_metadata is None else self.val_metadata * copies
+        return self._fixed(self.val_prompt_list * copies, metadata)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._fixed(self.predict_prompt_list)
+        return self._fixed(self.predict_prompt_list, self.predict_metadata)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Prompt batches are strings; the experience is built on the right device by the rollout.

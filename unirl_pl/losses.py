@@ -1,6 +1,6 @@
-"""Policy losses as pure functions: GRPO for the LM's tokens, Flow-GRPO for the DiT's steps (the group
-statistics of advantages are :mod:`unirl_pl.group_stats`, the rollout correction's weights
-:mod:`unirl_pl.rollout_correction`).
+"""Policy losses as pure functions: one token loss for the refiner (GRPO, DAPO and GSPO are its modes),
+Flow-GRPO, GRPO-Guard and DiffusionNFT for the DiT's steps (the group statistics of advantages are
+:mod:`unirl_pl.group_stats`, the rollout correction's weights :mod:`unirl_pl.rollout_correction`).
 
 No module state lives here, so each formula is unit-tested on its own and the LightningModule only
 feeds tensors in.
@@ -9,6 +9,7 @@ feeds tensors in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -134,38 +135,6 @@ def clipped_surrogate(
     return loss, ratio, high, low
 
 
-def grpo_token_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    clip_eps: float = 0.2,
-    beta: float = 0.0,
-    is_weights: Tensor | None = None,
-) -> LossOutput:
-    """Token-level GRPO loss for the refiner LM.
-
-    ``logp``, ``old_logp``, ``ref_logp`` and ``mask`` are (N, T) over generated tokens; ``advantages``
-    is (N,), broadcast to every token of its sample. The loss averages over all real tokens of the
-    batch (token-level, so long refinements weigh by their length) and adds ``beta`` times the k3
-    KL to the adapter-disabled reference. ``is_weights`` (N, T), the detached
-    :func:`truncated_importance_weights`, multiply each token's clipped surrogate (not the KL term).
-    """
-    logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
-    mask = mask.to(logp.dtype)
-    per_token, ratio, high, low = clipped_surrogate(logp, old_logp, advantages[:, None], clip_eps)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    pg = _masked_mean(per_token, mask)
-    kl = _masked_mean(k3_kl(logp, ref_logp), mask) if ref_logp is not None else logp.new_zeros(())
-    loss = pg + beta * kl if ref_logp is not None else pg
-    real = mask.bool()
-    r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
-    return _policy_loss_output(loss, pg, kl, r, _masked_mean(high, mask).detach(), _masked_mean(low, mask).detach())
-
-
 def flow_grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -235,7 +204,26 @@ def asymmetric_clipped_surrogate(
     )
 
 
-def refiner_token_loss(
+def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean over rows of each row's masked token mean; rows without a real token are left out (so a
+    micro-batch's share of the mean is its share of the real rows)."""
+    per_row = _on_real(x, mask).sum(1) / mask.sum(1).clamp_min(1)
+    return per_row.sum() / (mask.sum(1) > 0).sum().clamp_min(1)
+
+
+Aggregation = Literal["token_mean", "sequence_mean", "sequence_ratio"]
+"""How :func:`token_policy_loss` forms and averages its terms (see there)."""
+
+AGGREGATIONS: tuple[str, ...] = get_args(Aggregation)
+
+
+def aggregation_units(mask: Tensor, aggregation: str) -> Tensor:
+    """The units :func:`token_policy_loss` averages over, as a mask whose sum counts them: the (N, T) real
+    tokens for ``token_mean``, the (N,) refinements with a real token for the two per-sequence modes."""
+    return mask if aggregation == "token_mean" else mask.bool().any(1)
+
+
+def token_policy_loss(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -245,82 +233,55 @@ def refiner_token_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     beta: float = 0.0,
-    aggregation: str = "token_mean",
+    aggregation: Aggregation = "token_mean",
     is_weights: Tensor | None = None,
 ) -> LossOutput:
-    """The refiner's token-ratio policy loss with DAPO's options: clip-higher and the aggregation.
+    """The refiner's clipped policy loss over generated tokens, one function for its three aggregations.
 
-    Per token: the clipped surrogate of ``exp(logp - old)`` on ``[1 - eps_low, 1 + eps_high]`` (DAPO's clip-
-    higher when ``eps_high > eps_low``), times ``is_weights`` when given, plus ``beta`` times the k3 KL to the
-    reference. ``aggregation``: ``token_mean`` averages over every real token of the batch (DAPO; a long
-    refinement weighs by its length), ``sequence_mean`` averages each refinement's tokens first and then the
-    refinements (the original GRPO). With ``eps_low == eps_high`` and ``token_mean`` this is
-    :func:`grpo_token_loss`.
+    ``logp``, ``old_logp``, ``ref_logp``, ``is_weights`` and ``mask`` are (N, T) over generated tokens,
+    ``advantages`` (N,). The surrogate is ``max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))`` (DAPO's
+    clip-higher when ``eps_high > eps_low``), times the detached ``is_weights`` (not the KL term), plus
+    ``beta`` times the k3 KL to the reference. ``aggregation``:
+
+    - ``token_mean``: a ratio ``r = exp(logp - old)`` per token, every real token of the batch weighing the
+      same (a long refinement weighs by its length; the project's GRPO default and DAPO's choice);
+    - ``sequence_mean``: the same per-token terms, each refinement's token mean first, then the mean over
+      refinements (the original GRPO);
+    - ``sequence_ratio``: GSPO's one ratio per refinement, the geometric mean of its token ratios ``exp(mean_t(
+      logp - old))`` (length-normalized, so it clips on a narrow range such as GSPO's ``3e-4 / 4e-4``), each
+      refinement's weight the geometric mean of its tokens' ``is_weights``, refinements averaged.
+
+    The KL term is a token mean for ``token_mean`` and a per-refinement mean for the other two (in each case
+    the policy term's units). Rows without a real token are left out of every per-refinement mean.
     """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
     logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
     maskf = mask.to(logp.dtype)
-    ratio = torch.exp(logp - old_logp)
-    per_token, high, low = asymmetric_clipped_surrogate(ratio, advantages[:, None], eps_low, eps_high)
-    if is_weights is not None:
-        per_token = per_token * is_weights.detach()
-    kl_tok = k3_kl(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-    if aggregation == "token_mean":
-        agg = _masked_mean
-    elif aggregation == "sequence_mean":
-        agg = _sequence_mean
+    if aggregation == "sequence_ratio":
+        # Only GSPO's ratio is formed per row: the tokens' log-ratios (and log-weights) are averaged first,
+        # and the terms are then over the (N,) rows that have a real token.
+        length = maskf.sum(1).clamp_min(1)
+        log_ratio = _on_real(logp - old_logp, mask).sum(1) / length
+        if is_weights is not None:
+            is_weights = torch.exp(_on_real(torch.log(is_weights.detach()), mask).sum(1) / length)
+        adv, terms = advantages, aggregation_units(maskf, aggregation).to(logp.dtype)
     else:
-        raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
-    pg, kl = agg(per_token, maskf), agg(kl_tok, maskf)
-    loss = pg + beta * kl if ref_logp is not None else pg
-    real = mask.bool()
-    r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
-    return _policy_loss_output(loss, pg, kl, r, agg(high, maskf).detach(), agg(low, maskf).detach())
-
-
-def _sequence_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean over rows of each row's masked token mean; rows without a real token are left out (so a
-    micro-batch's share of the mean is its share of the real rows)."""
-    per_row = _on_real(x, mask).sum(1) / mask.sum(1).clamp_min(1)
-    return per_row.sum() / (mask.sum(1) > 0).sum().clamp_min(1)
-
-
-def gspo_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    ref_logp: Tensor | None = None,
-    eps_low: float = 3e-4,
-    eps_high: float = 4e-4,
-    beta: float = 0.0,
-    is_weights: Tensor | None = None,
-) -> LossOutput:
-    """GSPO's sequence-level clipped loss for the refiner.
-
-    Each refinement's ratio is the geometric mean of its token ratios, ``s = exp(mean_t(logp - old))`` over
-    its real tokens (length-normalized, so it is comparable across lengths and clips on a narrow range,
-    GSPO's ``3e-4 / 4e-4``); the clipped surrogate ``max(-A s, -A clip(s, 1 - eps_low, 1 + eps_high))`` is
-    averaged over refinements. ``is_weights`` (N, T) enter as their sequence's geometric mean. The KL term is
-    the k3 KL to the reference, averaged per refinement and then over refinements (the same units as the
-    policy term).
-    """
-    logp, old_logp, ref_logp, is_weights = _real_inputs(mask, logp, old_logp, ref_logp, is_weights)
-    maskf = mask.to(logp.dtype)
-    length = maskf.sum(1).clamp_min(1)
-    seq_log_ratio = _on_real(logp - old_logp, mask).sum(1) / length
-    ratio = torch.exp(seq_log_ratio)
-    per_seq, high, low = asymmetric_clipped_surrogate(ratio, advantages, eps_low, eps_high)
+        log_ratio, adv, terms = logp - old_logp, advantages[:, None], maskf
+    ratio = torch.exp(log_ratio)
+    per_term, high, low = asymmetric_clipped_surrogate(ratio, adv, eps_low, eps_high)
     if is_weights is not None:
-        per_seq = per_seq * torch.exp(_on_real(torch.log(is_weights.detach()), mask).sum(1) / length)
-    real = mask.bool().any(1)
-    weight = real.to(logp.dtype)
-    pg = _on_real(per_seq, real).sum() / weight.sum().clamp_min(1)
-    kl = _sequence_mean(k3_kl(logp, ref_logp), maskf) if ref_logp is not None else logp.new_zeros(())
+        per_term = per_term * is_weights.detach()
+    # A mean over the real terms, except sequence_mean's per-token terms: each row's mean first.
+    reduce = _sequence_mean if aggregation == "sequence_mean" else _masked_mean
+    pg = reduce(per_term, terms)
+    # The KL is per token in every mode; averaged in the policy term's units (tokens, or rows).
+    kl_reduce = _masked_mean if aggregation == "token_mean" else _sequence_mean
+    kl = kl_reduce(k3_kl(logp, ref_logp), maskf) if ref_logp is not None else logp.new_zeros(())
     loss = pg + beta * kl if ref_logp is not None else pg
+    real = terms.bool()
     r = ratio.detach()[real] if real.any() else ratio.new_ones(1)
-    frac = weight.sum().clamp_min(1)
-    return _policy_loss_output(loss, pg, kl, r, (high * weight).sum() / frac, (low * weight).sum() / frac)
+    return _policy_loss_output(loss, pg, kl, r, reduce(high, terms).detach(), reduce(low, terms).detach())
 
 
 def optimality_probability(advantages: Tensor, clip_max: float) -> Tensor:

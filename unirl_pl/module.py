@@ -39,6 +39,7 @@ from unirl_pl.method.update import PolicyUpdate
 from unirl_pl.metrics import log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
+from unirl_pl.rewards.metadata import WithMetadata
 from unirl_pl.versioning import VersionLedger, check_staleness
 
 
@@ -344,11 +345,17 @@ class UniRLModule(pl.LightningModule):
         guided = self.eval_config.guided
         return serve(self.ar_decode, self.eval_denoise, self.conditioning, batch, guided)
 
+    def _reward_for(self, batch: PromptBatch) -> WeightedSum:
+        """The reward with the real prompts' metadata bound to it (the evaluation path calls it without)."""
+        if batch.metadata is None:
+            return self.reward_fn
+        return WithMetadata(self.reward_fn, batch.metadata[: batch.real])  # type: ignore[return-value]
+
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
         refined, images = self.serve(batch)
         n = batch.real  # shard padding ran (every rank made the same forwards) but is not scored
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        means, breakdown, total = validation_scores(self.reward_fn, prompts, refined, images)
+        means, breakdown, total = validation_scores(self._reward_for(batch), prompts, refined, images)
         for name, value in means.items():
             self.log(f"val/reward_{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "mean")
         # Weighted by each key's count, so the epoch mean is exact however batches mix categories. Keys
@@ -363,7 +370,7 @@ class UniRLModule(pl.LightningModule):
         refined, images = self.serve(batch)
         n = batch.real
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        total, _ = self.reward_fn(prompts, refined, images)
+        total, _ = self._reward_for(batch)(prompts, refined, images)
         return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints

@@ -12,21 +12,17 @@ in this package, a recipe overlay and its tests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from unirl_pl.algorithms.drivers import LossInputs, add_part, weighted_loss
 from unirl_pl.distributed import token_loss_weight
 from unirl_pl.loops.config import RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import LossInputs, add_part, weighted_loss
 from unirl_pl.records import Experience
-
-Reference = Callable[[], AbstractContextManager[None]]
-"""A context in which the expert is its reference policy (its adapter disabled)."""
 
 Backward = Callable[[Tensor], None]
 """Backpropagates one loss term as soon as it is built (the DiT's per-step backward)."""

@@ -27,10 +27,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from unirl_pl.algorithms.base import Backward, GateValues, GeneratorAlgorithm, LossInputs
+from unirl_pl.algorithms.drivers import add_part, weighted_loss
 from unirl_pl.loops.config import RolloutConfig, SampleRequest, StepPlan, chunk_bounds
 from unirl_pl.loops.diffusion_denoise import sigma_table
 from unirl_pl.losses import LossOutput, nft_loss, optimality_probability
-from unirl_pl.method.grpo import add_part, weighted_loss
 from unirl_pl.records import FlowPointsRecord, cond_rows
 from unirl_pl.seeding import sample_generators
 

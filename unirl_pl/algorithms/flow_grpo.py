@@ -2,7 +2,7 @@
 
 The rollout runs Flow-GRPO's SDE at the steps of its ``sde_window`` with its ``noise_level`` (the ODE
 elsewhere) and records them; the loss is the clipped ratio per
-recorded step plus the KL of the step means to the adapter-disabled reference (:func:`grpo.dit_loss`). With
+recorded step plus the KL of the step means to the adapter-disabled reference (:func:`drivers.dit_loss`). With
 ``guard`` the ratio is GRPO-Guard's (Wang et al., 2025): normalized by the step's noise scale with the
 mean-drift bias removed, and each step's surrogate reweighted by ``1 / -dt``.
 """
@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 
 from unirl_pl.algorithms.base import Backward, GeneratorAlgorithm, LossInputs
+from unirl_pl.algorithms.drivers import dit_loss, per_step_loss
 from unirl_pl.loops.config import RolloutConfig, StepPlan
 from unirl_pl.losses import LossOutput, grpo_guard_loss
-from unirl_pl.method import grpo
 
 DEFAULT_WINDOW = (0, 3)
 """The SDE window of a Flow-GRPO algorithm given neither ``sde_window`` nor ``timestep_fraction``."""
@@ -123,7 +123,7 @@ class FlowGRPO(GeneratorAlgorithm):
     def loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
         if not self.guard:
             i = inputs
-            return grpo.dit_loss(i.loop, i.record, i.advantages, i.settings, i.reference, backward, i.anchor)
+            return dit_loss(i.loop, i.record, i.advantages, i.settings, i.reference, backward, i.anchor)
         return self._guard_loss(inputs, backward)
 
     @torch.no_grad()
@@ -138,7 +138,7 @@ class FlowGRPO(GeneratorAlgorithm):
         self._old_means = (weakref.ref(record), means)
 
     def _guard_loss(self, inputs: LossInputs, backward: Backward | None = None) -> LossOutput:
-        """:func:`grpo.dit_loss` with GRPO-Guard's term per (step, micro-batch)."""
+        """:func:`drivers.dit_loss` with GRPO-Guard's term per (step, micro-batch)."""
         record, advantages, settings = inputs.record, inputs.advantages, inputs.settings
         whole = record if inputs.whole is None else inputs.whole
         kept = self._old_means
@@ -182,7 +182,7 @@ class FlowGRPO(GeneratorAlgorithm):
                 is_weights=weights,
             )
 
-        out = grpo.per_step_loss(inputs, term, backward)
+        out = per_step_loss(inputs, term, backward)
         if first:
             self._old_means = (weakref.ref(record), old_means)
         return out

@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
-from unirl_pl.losses import LossOutput, gspo_loss
-from unirl_pl.method import grpo
+from unirl_pl.algorithms.drivers import refiner_loss
+from unirl_pl.losses import LossOutput, aggregation_units
 from unirl_pl.records import LMRecord
 
 
@@ -31,23 +31,11 @@ class GSPO(RefinerAlgorithm):
         self.clip_eps_low, self.clip_eps_high = clip_eps_low, clip_eps_high
 
     def chunk_loss(self, inputs: LossInputs) -> LossOutput:
-        advantages, record, settings = inputs.advantages, inputs.record, inputs.settings
-
-        def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
-            return gspo_loss(
-                logp,
-                old,
-                advantages,
-                record.gen_mask,
-                ref_logp=ref,
-                eps_low=self.clip_eps_low,
-                eps_high=self.clip_eps_high,
-                beta=settings.beta,
-                is_weights=weights,
-            )
-
-        return grpo.token_loss(inputs, term)
+        # The refiner's one token loss in its per-sequence-ratio mode, on GSPO's own clip range.
+        return refiner_loss(
+            inputs, eps_low=self.clip_eps_low, eps_high=self.clip_eps_high, aggregation="sequence_ratio"
+        )
 
     def units(self, record: LMRecord) -> Tensor:
         # The policy term averages refinements (those with a real token).
-        return record.gen_mask.any(1)
+        return aggregation_units(record.gen_mask, "sequence_ratio")

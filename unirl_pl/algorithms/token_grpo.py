@@ -2,9 +2,10 @@
 
 The default (``TokenGRPO()``) is the project's refiner loss: per generated token the clipped ratio
 ``exp(logp - old)`` on ``[1 - eps, 1 + eps]`` (``eps = model.llm_loss.clip_eps``), averaged over every real
-token of the batch, plus the k3 KL to the adapter-disabled reference (:func:`grpo.lm_loss`). DAPO (Yu et al.,
-2025) raises the upper clip (``clip_eps_high`` 0.28 with 0.2 below) so that unlikely tokens with a positive
-advantage can grow, and aggregates over tokens (``token_mean``) rather than per sequence first.
+token of the batch, plus the k3 KL to the adapter-disabled reference (:func:`drivers.refiner_loss` in
+:func:`~unirl_pl.losses.token_policy_loss`'s ``token_mean``). DAPO (Yu et al., 2025) raises the upper clip
+(``clip_eps_high`` 0.28 with 0.2 below) so that unlikely tokens with a positive advantage can grow, and
+aggregates over tokens (``token_mean``) rather than per sequence first.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import torch
 from torch import Tensor
 
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
+from unirl_pl.algorithms.drivers import refiner_loss
 from unirl_pl.group_stats import informative_groups
-from unirl_pl.losses import LossOutput, refiner_token_loss
-from unirl_pl.method import grpo
+from unirl_pl.losses import LossOutput, aggregation_units
 from unirl_pl.records import LMRecord
 
 Aggregation = Literal["token_mean", "sequence_mean"]
@@ -55,35 +56,13 @@ class TokenGRPO(RefinerAlgorithm):
             raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
         self.clip_eps_high, self.aggregation = clip_eps_high, aggregation
 
-    @property
-    def plain(self) -> bool:
-        """Whether this is the project's original loss (symmetric clip, token mean)."""
-        return self.clip_eps_high is None and self.aggregation == "token_mean"
-
     def chunk_loss(self, inputs: LossInputs) -> LossOutput:
-        if self.plain:
-            i = inputs
-            return grpo.lm_loss(i.loop, i.record, i.advantages, i.settings, i.reference, anchor=i.anchor)
-        advantages, record, settings = inputs.advantages, inputs.record, inputs.settings
-
-        def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
-            return refiner_token_loss(
-                logp,
-                old,
-                advantages,
-                record.gen_mask,
-                ref_logp=ref,
-                eps_low=settings.clip_eps,
-                eps_high=settings.clip_eps if self.clip_eps_high is None else self.clip_eps_high,
-                beta=settings.beta,
-                aggregation=self.aggregation,
-                is_weights=weights,
-            )
-
-        return grpo.token_loss(inputs, term)
+        eps = inputs.settings.clip_eps
+        high = eps if self.clip_eps_high is None else self.clip_eps_high
+        return refiner_loss(inputs, eps_low=eps, eps_high=high, aggregation=self.aggregation)
 
     def units(self, record: LMRecord) -> Tensor:
-        return record.gen_mask if self.aggregation == "token_mean" else record.gen_mask.any(1)
+        return aggregation_units(record.gen_mask, self.aggregation)
 
 
 class DAPO(TokenGRPO):

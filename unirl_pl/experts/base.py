@@ -18,8 +18,6 @@ from unirl_pl.manifest import verify_assets
 # Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference policy;
 # ``gaussian`` (A ~ N(0, 1/r)) is what Flow-GRPO uses.
 LORA_INITS: dict[str, bool | str] = {"gaussian": "gaussian", "default": True}
-# The file diffusers' ``load_lora_weights`` looks for in a folder: every exported adapter is written under it.
-LORA_WEIGHTS_FILE = "pytorch_lora_weights.safetensors"
 
 
 def check_lora_args(lora_rank: int, lora_alpha: float, lora_target_modules: list[str] | None) -> None:

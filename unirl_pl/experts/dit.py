@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.loaders import SD3LoraLoaderMixin
-from peft import set_peft_model_state_dict
 from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file
 
 from unirl_pl.experts._common import check_positive, seeded_cpu_init
-from unirl_pl.experts.base import LORA_WEIGHTS_FILE, LoRAExpert
+from unirl_pl.experts.base import LoRAExpert
+from unirl_pl.lora import load_lora_file
 
 DEFAULT_DIT_LORA_TARGETS: tuple[str, ...] = ("to_q", "to_k", "to_v", "to_out.0")
 # Prefix the SD3 pipeline's ``save_lora_weights`` puts on transformer keys; loaders filter on it.
@@ -187,19 +185,6 @@ class FlowTransformerExpert(LoRAExpert):
         )
 
     def load_adapter(self, path: str) -> None:
-        """Load LoRA weights written by ``save_adapter`` into this expert's adapter, in place."""
-        model = self._require_built()
-        file = Path(path) / LORA_WEIGHTS_FILE if Path(path).is_dir() else Path(path)
-        prefix = f"{_PIPELINE_PREFIX}."
-        weights = {
-            key.removeprefix(prefix): value
-            for key, value in load_file(str(file), device=str(next(model.parameters()).device)).items()
-            if key.startswith(prefix)
-        }
-        result = set_peft_model_state_dict(model, weights)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if not weights or missing or result.unexpected_keys:
-            raise ValueError(
-                f"adapter at {path} does not match this model: missing {missing[:3]}, "
-                f"unexpected {list(result.unexpected_keys)[:3]}"
-            )
+        """Load LoRA weights written by ``save_adapter`` (a folder or the file) into this expert's adapter, in
+        place, raising ``ValueError`` when they do not match it."""
+        load_lora_file(self._require_built(), path, _PIPELINE_PREFIX)

@@ -6,7 +6,7 @@ import inspect
 import warnings
 
 import torch
-from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model
 from peft.utils import load_peft_weights
 from transformers import (
     AutoModelForCausalLM,
@@ -21,6 +21,7 @@ from unirl_pl.experts._common import check_divisible, check_positive, seeded_cpu
 from unirl_pl.experts.base import LoRAExpert
 from unirl_pl.experts.chat import ChatFormat, format_requests, is_end_of_turn, parse_reply
 from unirl_pl.experts.tokenizer import build_word_tokenizer, load_tokenizer, special_token_ids
+from unirl_pl.lora import load_lora_weights
 from unirl_pl.manifest import verify_assets
 
 DEFAULT_LLM_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -213,16 +214,10 @@ class CausalLMExpert(LoRAExpert):
         self._require_built().save_pretrained(path)
 
     def load_adapter(self, path: str) -> None:
-        """Load LoRA weights saved by ``save_adapter`` into this expert's adapter, in place."""
+        """Load LoRA weights saved by ``save_adapter`` into this expert's adapter, in place, raising
+        ``ValueError`` when they do not match it."""
         model = self._require_built()
-        weights = load_peft_weights(path, device=str(next(model.parameters()).device))
-        result = set_peft_model_state_dict(model, weights)
-        missing = [k for k in result.missing_keys if "lora_" in k]
-        if missing or result.unexpected_keys:
-            raise ValueError(
-                f"adapter at {path} does not match this model: missing {missing[:3]}, "
-                f"unexpected {list(result.unexpected_keys)[:3]}"
-            )
+        load_lora_weights(model, load_peft_weights(path, device=str(next(model.parameters()).device)), path)
 
 
 class TinyCausalLMExpert(CausalLMExpert):

@@ -12,21 +12,15 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
-from peft import LoraConfig, set_peft_model_state_dict
+from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
-from unirl_pl.experts.base import (
-    LORA_INITS,
-    LORA_WEIGHTS_FILE,
-    adapter_bypassed,
-    attach_diffusers_lora,
-    check_lora_args,
-)
+from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.schedule import Schedule, pipeline_schedule
+from unirl_pl.lora import load_lora_file
 from unirl_pl.paths import read_json_file
 from unirl_pl.records import Cond
 
@@ -381,19 +375,4 @@ class FlowGenerator(torch.nn.Module, ABC):
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights written by ``save_adapter`` (a folder or the file) into the adapter in
         place, raising ``ValueError`` when they do not match this model's adapter."""
-        model = self._require_built()
-        file = Path(path)
-        file = file / LORA_WEIGHTS_FILE if file.is_dir() else file
-        device = str(next(model.parameters()).device)
-        weights = {
-            key.split(".", 1)[1]: tensor
-            for key, tensor in load_file(str(file), device=device).items()
-            if key.startswith(f"{self.pipeline_class.transformer_name}.")
-        }
-        result = set_peft_model_state_dict(model, weights)
-        missing = sorted(key for key in result.missing_keys if "lora_" in key)
-        if not weights or missing or result.unexpected_keys:
-            raise ValueError(
-                f"adapter at {path!r} does not match this {self.family} adapter: {len(weights)} tensors, "
-                f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
-            )
+        load_lora_file(self._require_built(), path, self.pipeline_class.transformer_name)

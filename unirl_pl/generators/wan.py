@@ -13,15 +13,14 @@ from typing import Any
 import torch
 from diffusers import AutoencoderKLWan, ModelMixin, WanPipeline, WanTransformer3DModel
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from peft import set_peft_model_state_dict
 from peft.utils import get_peft_model_state_dict
-from safetensors.torch import load_file
 from transformers import UMT5EncoderModel
 
 from unirl_pl.experts._common import seeded_cpu_init
-from unirl_pl.experts.base import LORA_WEIGHTS_FILE, adapter_bypassed, attach_diffusers_lora
+from unirl_pl.experts.base import adapter_bypassed, attach_diffusers_lora
 from unirl_pl.generators.base import Cond, FlowGenerator
 from unirl_pl.generators.folder import has_component, read_model_index
+from unirl_pl.lora import LORA_WEIGHTS_FILE, load_lora_file
 from unirl_pl.paths import read_json_file
 from unirl_pl.records import cond_rows
 
@@ -218,7 +217,12 @@ class WanGenerator(FlowGenerator):
         super().load_adapter(path)
         if self.model_2 is not None:
             folder = Path(path) if Path(path).is_dir() else Path(path).parent
-            _load_lora_into(self.model_2, folder / LOW_NOISE_SUBFOLDER / LORA_WEIGHTS_FILE, self.family)
+            file = folder / LOW_NOISE_SUBFOLDER / LORA_WEIGHTS_FILE
+            if not file.is_file():
+                raise ValueError(
+                    f"{str(file)!r} is missing: the adapter folder has no low-noise expert (transformer_2)"
+                )
+            load_lora_file(self.model_2, file, WanPipeline.transformer_name)
 
     # ------------------------------------------------------------------ family hooks
 
@@ -262,20 +266,3 @@ class WanGenerator(FlowGenerator):
         std = torch.tensor(config.latents_std, dtype=latents.dtype, device=latents.device).view(shape)
         video = self.vae.decode(latents * std + mean, return_dict=False)[0]  # (N, 3, F, H, W)
         return video.permute(0, 2, 1, 3, 4)
-
-
-def _load_lora_into(model: ModelMixin, file: Path, family: str) -> None:
-    """Load a ``save_lora_weights`` file (``transformer.``-prefixed peft keys) into ``model``'s adapter in
-    place; ``ValueError`` when the file is missing or its tensors do not match the adapter."""
-    if not file.is_file():
-        raise ValueError(f"{str(file)!r} is missing: the adapter folder has no low-noise expert (transformer_2)")
-    device = str(next(model.parameters()).device)
-    prefix = f"{WanPipeline.transformer_name}."
-    weights = {k[len(prefix) :]: v for k, v in load_file(str(file), device=device).items() if k.startswith(prefix)}
-    result = set_peft_model_state_dict(model, weights)
-    missing = sorted(key for key in result.missing_keys if "lora_" in key)
-    if not weights or missing or result.unexpected_keys:
-        raise ValueError(
-            f"adapter at {str(file)!r} does not match this {family} adapter: {len(weights)} tensors, "
-            f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
-        )

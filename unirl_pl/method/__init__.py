@@ -1,7 +1,8 @@
-"""The method: how rewards become advantages (:mod:`.advantages`), the per-loop policy losses
-(:mod:`.grpo`), and the experience source that runs one step's rollout (:mod:`.experience`)."""
+"""The method: how rewards become advantages (:mod:`.advantages`), each expert's loss settings
+(:mod:`.loss_settings`; the losses are :mod:`unirl_pl.algorithms`'), the experience source that runs one
+step's rollout (:mod:`.experience`) and the policy updates of one RL step (:mod:`.policy`, :mod:`.update`)."""
 
 from unirl_pl.method.advantages import AdvantageConfig, GroupLayout, check_scheme, compute_advantages
-from unirl_pl.method.grpo import ExpertLoss, dit_loss, lm_loss
+from unirl_pl.method.loss_settings import ExpertLoss
 
-__all__ = ["AdvantageConfig", "ExpertLoss", "GroupLayout", "check_scheme", "compute_advantages", "dit_loss", "lm_loss"]
+__all__ = ["AdvantageConfig", "ExpertLoss", "GroupLayout", "check_scheme", "compute_advantages"]

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from unirl_pl import timing
+from unirl_pl.algorithms.drivers import LossInputs, weighted_loss
 from unirl_pl.card import Card
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss, LossInputs, weighted_loss
+from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.records import Experience
 
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]

@@ -4,8 +4,8 @@ mode makes (fake tensors for a plan, real ones to check the plan against).
 Every function creates its inputs itself (so they are fake inside ``FakeTensorMode``) and calls the
 same loops, generator surface and losses a fit calls: ``CausalLMExpert.forward`` with a KV cache as
 ``ARDecode.sample`` runs it, ``FlowGenerator.encode``/``decode``, ``DiffusionDenoise.velocity`` with
-``flow_sde_step_with_logprob``, and the recipe's algorithms' losses (``grpo.dit_loss`` and ``grpo.lm_loss``
-by default). Values never matter, shapes do.
+``flow_sde_step_with_logprob``, and the recipe's algorithms' losses (``drivers.dit_loss`` and
+``drivers.refiner_loss`` by default). Values never matter, shapes do.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
+from unirl_pl.algorithms.drivers import LossInputs
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.loops.ar_decode import positions, process_logits
 from unirl_pl.losses import LossOutput
-from unirl_pl.method.grpo import ExpertLoss, LossInputs
+from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.records import Cond, DiTRecord, LMRecord
 from unirl_pl.sampling import flow_sde_step_with_logprob
 
@@ -156,7 +157,7 @@ def dit_update(
     backward: Callable[[Tensor], None],
 ) -> LossOutput:
     """The DiT's update over ``record`` as ``PolicyLosses.loss`` runs it, through the recipe's generator
-    algorithm (Flow-GRPO's ``grpo.dit_loss`` by default): per (step, micro-batch) the recompute with grad,
+    algorithm (Flow-GRPO's ``drivers.dit_loss`` by default): per (step, micro-batch) the recompute with grad,
     the adapter-disabled reference forward when the KL is on, and ``backward``."""
     advantages = torch.zeros(record.old_logp.shape[0])
     algorithm.check_settings(settings)
@@ -178,8 +179,8 @@ def lm_loss_forward(
     reference: Callable,
     backward: Callable[[Tensor], None],
 ) -> LossOutput:
-    """The refiner's loss through the recipe's refiner algorithm (token GRPO's ``grpo.lm_loss`` by
-    default). With ``rollout.lm_micro_batch_size`` each chunk is backpropagated through ``backward`` as it is
+    """The refiner's loss through the recipe's refiner algorithm (token GRPO's ``drivers.refiner_loss``
+    by default). With ``rollout.lm_micro_batch_size`` each chunk is backpropagated through ``backward`` as it is
     built; without, the graph of the whole batch is kept for the backward (``backpropagated`` is False)."""
     advantages = torch.zeros(record.old_logp.shape[0])
     algorithm.check_settings(settings)

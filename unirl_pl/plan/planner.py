@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from unirl_pl.card import Card
 from unirl_pl.distributed import shard_experts
-from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import (
     DEFAULT_PIPELINES,

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
-from unirl_pl.method.grpo import ExpertLoss
+from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import FakeExperts
 from unirl_pl.plan.recipe import StepRecipe

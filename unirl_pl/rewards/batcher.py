@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from unirl_pl.rewards.builtin import RewardFn
+from unirl_pl.rewards.metadata import Metadata, accepts_metadata
 
 
 @dataclass
@@ -25,6 +26,7 @@ class _Job:
     prompts: list[str]
     refined: list[str]
     images: Tensor
+    metadata: list[Metadata] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     scores: list[float] | None = None
     error: str | None = None
@@ -40,6 +42,9 @@ class RequestBatcher:
     wrong count, each request of that batch is scored again alone, so only the request that causes the
     failure gets an error (500) and its batch-mates get their scores.
 
+    Requests' ``metadata`` reaches a reward that declares a ``metadata`` parameter, concatenated like the
+    prompts (None for the samples of a request without any); a reward that does not declare it never sees it.
+
     Args:
         reward: The reward to call.
         reward_name: Its name, for error messages.
@@ -51,15 +56,18 @@ class RequestBatcher:
         if max_size < 1 or wait_s < 0:
             raise ValueError(f"need max_batch_size >= 1 and batch_wait_s >= 0, got {max_size}, {wait_s}")
         self.reward, self.reward_name, self.max_size, self.wait_s = reward, reward_name, max_size, wait_s
+        self.takes_metadata = accepts_metadata(reward)  # read once: the reward does not change
         self.calls: list[int] = []  # samples per reward call, for tests and logs
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._held: _Job | None = None  # a request that did not fit the last batch opens the next
         self._thread = threading.Thread(target=self._work, name=f"reward-batcher-{reward_name}", daemon=True)
         self._thread.start()
 
-    def score(self, prompts: list[str], refined: list[str], images: Tensor) -> tuple[list[float] | None, str | None]:
+    def score(
+        self, prompts: list[str], refined: list[str], images: Tensor, metadata: list[Metadata] | None = None
+    ) -> tuple[list[float] | None, str | None]:
         """(scores, None) or (None, error) for one request, after its batch has been scored."""
-        job = _Job(prompts, refined, images)
+        job = _Job(prompts, refined, images, metadata)
         self._queue.put(job)
         job.done.wait()
         return job.scores, job.error
@@ -98,8 +106,11 @@ class RequestBatcher:
         self.calls.append(n)
         try:
             images = jobs[0].images if len(jobs) == 1 else torch.cat([job.images for job in jobs])
+            extra = {}
+            if self.takes_metadata and any(job.metadata is not None for job in jobs):
+                extra["metadata"] = [m for job in jobs for m in job.metadata or [None] * len(job.prompts)]
             raw = self.reward(
-                [p for job in jobs for p in job.prompts], [r for job in jobs for r in job.refined], images
+                [p for job in jobs for p in job.prompts], [r for job in jobs for r in job.refined], images, **extra
             )
             scores = [float(s) for s in raw]
         except Exception as err:  # the reward failed; the worker must live on for the next batch

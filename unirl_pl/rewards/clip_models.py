@@ -143,7 +143,10 @@ class CLIPReward:
         """Pixel values for the vision tower from images (N, 3, H, W) in [0, 1], via the model's own
         image processor on the 8-bit images (resize, center crop, normalize), float32 on CPU."""
         arrays = list(quantize(images).permute(0, 2, 3, 1).cpu().numpy())
-        return self.processor.image_processor(images=arrays, return_tensors="pt")["pixel_values"]
+        # Said, not inferred: the processor guesses the channel axis from the shape, and an image 3 (or 1)
+        # pixels tall would be read as channels first.
+        processor = self.processor.image_processor
+        return processor(images=arrays, return_tensors="pt", input_data_format="channels_last")["pixel_values"]
 
     @torch.no_grad()
     def image_embeddings(self, images: Tensor) -> Tensor:

@@ -6,7 +6,8 @@ the trainer POSTs its samples to them. Only the standard library is used, so the
 dependency. Protocol (see docs/rewards.md): POST ``{"prompts": [...], "refined_prompts": [...],
 "images": [...]}`` where each image is a base64-encoded PNG (or JPEG) string and each video a list
 of such strings, one per frame; the reply is ``{"scores": [float, ...]}``, one finite number per
-sample.
+sample. When the prompts carry metadata (a JSONL prompt file's other fields, such as GenEval's ``include``),
+the request also holds ``"metadata": [...]``, one JSON object (or null) per sample.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from unirl_pl.rewards.metadata import Metadata, check_metadata
 from unirl_pl.rewards.transport import MAX_REPLY_BYTES, RewardServerError, post
 
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
@@ -128,7 +130,10 @@ class HTTPReward:
 
     Samples go in batches of ``batch_size`` as ``{"prompts", "refined_prompts", "images"}`` (images
     base64-encoded, videos as per-frame lists; see :func:`encode_images`) and each reply must be
-    ``{"scores": [...]}`` with one finite number per sample. Each request must be answered in full
+    ``{"scores": [...]}`` with one finite number per sample. Given per-sample ``metadata`` (each prompt's
+    JSONL row: a GenEval server scores against its ``include`` spec), a request also holds ``"metadata"``,
+    that batch's slice, one object or null per sample; without it the request is as before. Each request must
+    be answered in full
     within ``timeout_s``; a timeout, a refused or dropped connection, a 5xx, a 408 or a 429 is retried
     ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...), so one request
     takes at most ``timeout_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` seconds. Then,
@@ -213,17 +218,27 @@ class HTTPReward:
                 raise RewardServerError(f"{where} returned an invalid score at index {i}: {s!r}")
         return [float(s) for s in scores]
 
-    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+    def __call__(
+        self,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        metadata: list[Metadata] | None = None,
+    ) -> list[float]:
         n = images.shape[0]
         if len(prompts) != n or len(refined_prompts) != n:
             raise ValueError(f"{len(prompts)} prompts and {len(refined_prompts)} refined prompts for {n} images")
+        if metadata is not None:
+            check_metadata(metadata, n)  # the server would refuse it (400) after the images were encoded
         scores: list[float] = []
         for lo in range(0, n, self.batch_size):
             hi = min(lo + self.batch_size, n)
-            payload = {
+            payload: dict[str, Any] = {
                 "prompts": list(prompts[lo:hi]),
                 "refined_prompts": list(refined_prompts[lo:hi]),
                 "images": encode_images(images[lo:hi], self.image_format),
             }
+            if metadata is not None:
+                payload["metadata"] = list(metadata[lo:hi])
             scores.extend(self._parse(self._post(json.dumps(payload).encode("utf-8")), hi - lo))
         return scores

@@ -2,7 +2,8 @@
 
 Run ``python -m unirl_pl.rewards.server --reward pickscore --reward-args '{"device": "cuda:1"}'`` and
 point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path) takes ``{"prompts",
-"refined_prompts", "images"}`` and answers ``{"scores": [...]}``; ``GET /health`` answers ``{"status":
+"refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample, handed to a
+reward that declares a ``metadata`` parameter) and answers ``{"scores": [...]}``; ``GET /health`` answers ``{"status":
 "ok", "reward": name}``. Concurrent requests (several trainer ranks, or one client's overlapping calls)
 are batched: one worker thread scores the requests that arrived within ``batch_wait_s`` of each other
 in one call of the reward, up to ``max_batch_size`` samples. Requests are bounded (body size, body read
@@ -27,6 +28,7 @@ from torch import Tensor
 from unirl_pl.rewards.batcher import RequestBatcher
 from unirl_pl.rewards.builtin import RewardFn, resolve_reward
 from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS, ImageTooLarge, decode_images
+from unirl_pl.rewards.metadata import Metadata, check_metadata
 
 MAX_BODY_BYTES = 64 * 2**20
 READ_TIMEOUT_S = 30.0
@@ -40,7 +42,8 @@ class RewardHTTPServer(ThreadingHTTPServer):
     Every request is bounded before the reward sees it: a ``Content-Length`` is required (411) and may
     not exceed ``max_body_bytes`` (413, refused unread); the body must arrive within ``read_timeout_s``
     (408); the JSON must parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be
-    lists of strings as long as ``images`` (400); images must be PNG or JPEG (400) within the pixel limits
+    lists of strings as long as ``images`` (400); ``metadata``, when present and not null, must be a list as
+    long as ``prompts`` of JSON objects or nulls (400); images must be PNG or JPEG (400) within the pixel limits
     (413, checked from the image header before decoding). Each error reply is ``{"error": "..."}`` and
     closes the connection.
 
@@ -169,14 +172,14 @@ class _RewardHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         try:
-            prompts, refined, images = self._parse(self._read_body())
+            prompts, refined, images, metadata = self._parse(self._read_body())
         except _Refused as err:
             self._error(err.status, err.message)
             return
         except Exception as err:  # a bug here must still answer, and in JSON
             self._error(500, f"the server failed reading the request: {type(err).__name__}: {err}")
             return
-        scores, error = self.server.batcher.score(prompts, refined, images)
+        scores, error = self.server.batcher.score(prompts, refined, images, metadata)
         if error is not None:  # the reward failed on this request: 500, which the client may retry
             self._error(500, error)
             return
@@ -221,7 +224,7 @@ class _RewardHandler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.server.read_timeout_s)
         return b"".join(chunks)
 
-    def _parse(self, body: bytes) -> tuple[list[str], list[str], Tensor]:
+    def _parse(self, body: bytes) -> tuple[list[str], list[str], Tensor, list[Metadata] | None]:
         try:
             request = json.loads(body)
         except RecursionError:
@@ -237,6 +240,13 @@ class _RewardHandler(BaseHTTPRequestHandler):
         for key, value in (("prompts", prompts), ("refined_prompts", refined)):
             if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
                 raise _Refused(400, f"bad request: {key!r} must be a list of strings")
+        # Checked before the images are decoded: a wrong metadata list costs no decoding. Null means none.
+        metadata = request.get("metadata")
+        if metadata is not None:
+            try:
+                check_metadata(metadata, len(prompts))
+            except ValueError as err:
+                raise _Refused(400, f"bad request: {err}") from None
         try:
             images = decode_images(request["images"], self.server.max_image_pixels, self.server.max_total_pixels)
         except ImageTooLarge as err:
@@ -249,7 +259,7 @@ class _RewardHandler(BaseHTTPRequestHandler):
                 f"bad request: {len(prompts)} prompts, {len(refined)} refined prompts and {images.shape[0]} "
                 "images differ",
             )
-        return prompts, refined, images
+        return prompts, refined, images, metadata
 
 
 def serve(

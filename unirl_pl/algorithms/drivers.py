@@ -1,9 +1,12 @@
-"""Joint GRPO: each loop's policy loss on its behavior record, with the expert's own settings.
+"""The loss drivers the algorithms share: they run an expert's loop to re-score its record under the current
+weights (and the reference), pick the PPO ratio's denominator and importance weights, and feed the pure
+formulas of :mod:`unirl_pl.losses`.
 
-``ar_decode`` records train with token-level GRPO (clipped ratio, k3 KL to the adapter-disabled
-reference); ``diffusion_denoise`` records with Flow-GRPO (clipped ratio per SDE step, KL of the step
-means to the adapter-disabled reference). The formulas are the pure functions of :mod:`unirl_pl.losses`;
-this module only feeds them the recomputed log-probs.
+``ar_decode`` records train through :func:`refiner_loss` (the one token loss, in the algorithm's
+aggregation); ``diffusion_denoise`` records through :func:`per_step_loss` (one (step, micro-batch) at a time,
+Flow-GRPO's :func:`dit_loss` or an algorithm's own step term). The settings they read are an expert's
+``ExpertLoss`` (:mod:`unirl_pl.method.loss_settings`), seen here only through :class:`LossSettings`, so this
+package does not depend on the method layer that calls it.
 """
 
 from __future__ import annotations
@@ -11,66 +14,32 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from unirl_pl.loops import ARDecode, DiffusionDenoise
-from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_token_loss
+from unirl_pl.losses import Aggregation, LossOutput, flow_grpo_loss, token_policy_loss
 from unirl_pl.records import DiTRecord, LMRecord
 from unirl_pl.rollout_correction import truncated_importance_weights
 from unirl_pl.sampling import flow_kl
 
-
-@dataclass(frozen=True)
-class ExpertLoss:
-    """Per-expert policy-loss settings.
-
-    Args:
-        clip_eps: PPO ratio clip range ``[1-eps, 1+eps]`` (GRPO uses ~0.2, Flow-GRPO ~1e-4).
-        beta: Weight of the KL to the adapter-disabled reference policy (0 skips the reference forward).
-        grad_clip: Clip this expert's gradient norm to this value (None: no clipping, norm still logged).
-        rollout_correction: ``off`` anchors the PPO ratio at the behavior log-prob rollout recorded (on-policy
-            by construction: the C2 gate proves the two agree). ``tis`` corrects a numerics mismatch between
-            rollout and training (bf16 kernels, KV-cache decode, other batch shapes) instead: the ratio is
-            anchored at the log-prob the trainer recomputes before any update, and each term's policy loss is
-            weighted by the truncated importance weight ``min(exp(recomputed - behavior), tis_cap)`` (per
-            token for the LM, per SDE step for the DiT), as verl's decoupled rollout correction
-            (``rollout_is: token``) and TRL's ``vllm_importance_sampling_correction`` do. The C2 gate then
-            measures and logs (``rollout_corr/*``) and stops only on a mismatch far beyond numerics.
-        tis_cap: Upper truncation of the importance weight (verl's ``rollout_is_threshold`` and TRL's
-            ``vllm_importance_sampling_cap``, both 2.0 by default); >= 1 so agreeing terms keep weight 1.
-        mini_batches: Optimizer steps per PPO epoch over one rollout: the expert's records split into this many
-            mini-batches, prompt groups kept whole (:mod:`unirl_pl.method.minibatch`). The first is on-policy
-            (the C2 gate proves it on the whole rollout, before any update); the later ones are stale by design,
-            which is what the clip range acts on. 1: the whole rollout in one step.
-    """
-
-    clip_eps: float = 0.2
-    beta: float = 0.01
-    grad_clip: float | None = 1.0
-    rollout_correction: Literal["off", "tis"] = "off"
-    tis_cap: float = 2.0
-    mini_batches: int = 1
-
-    def __post_init__(self) -> None:
-        if self.mini_batches < 1:
-            raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
-        if self.rollout_correction not in ("off", "tis"):
-            raise ValueError(f"rollout_correction must be 'off' or 'tis', got {self.rollout_correction!r}")
-        if not self.tis_cap >= 1.0:
-            raise ValueError(f"tis_cap must be >= 1 (agreeing log-probs have weight 1), got {self.tis_cap}")
-        if self.clip_eps <= 0:
-            raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}")
-        if self.beta < 0:
-            raise ValueError(f"beta must be >= 0 (0 turns the KL term off), got {self.beta}")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ValueError(f"grad_clip must be > 0 or null, got {self.grad_clip}")
-
-
 Reference = Callable[[], AbstractContextManager[None]]
 """A context in which the expert is its reference policy (its adapter disabled)."""
+
+
+class LossSettings(Protocol):
+    """What the drivers read of an expert's loss settings (``unirl_pl.method.ExpertLoss`` has them all)."""
+
+    @property
+    def clip_eps(self) -> float: ...
+    @property
+    def beta(self) -> float: ...
+    @property
+    def rollout_correction(self) -> str: ...
+    @property
+    def tis_cap(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -96,7 +65,7 @@ class LossInputs:
 
 
 def anchor_and_weights(
-    logp: Tensor, behavior: Tensor, settings: ExpertLoss, anchor: Tensor | None
+    logp: Tensor, behavior: Tensor, settings: LossSettings, anchor: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
     """The PPO ratio's denominator and the importance weights of one loss term.
 
@@ -112,7 +81,7 @@ def anchor_and_weights(
 
 
 def score_with_reference(
-    loop: ARDecode, record: LMRecord, settings: ExpertLoss, reference: Reference
+    loop: ARDecode, record: LMRecord, settings: LossSettings, reference: Reference
 ) -> tuple[Tensor, Tensor | None]:
     """The record's token log-probs under the current weights (with grad) and, when ``settings.beta > 0``,
     under the reference (no grad)."""
@@ -124,50 +93,37 @@ def score_with_reference(
     return logp, ref
 
 
-def lm_loss(
-    loop: ARDecode,
-    record: LMRecord,
-    advantages: Tensor,
-    settings: ExpertLoss,
-    reference: Reference,
-    anchor: Tensor | None = None,
-) -> LossOutput:
-    """Token-level GRPO of the refiner over the generated tokens of ``record``; ``anchor`` is the first PPO
-    epoch's recomputed log-probs when a rollout correction is on (see :func:`anchor_and_weights`)."""
+def refiner_loss(inputs: LossInputs, *, eps_low: float, eps_high: float, aggregation: Aggregation) -> LossOutput:
+    """The refiner's PPO loss of ``inputs.record``'s tokens: :func:`~unirl_pl.losses.token_policy_loss` with
+    the clip range ``[1 - eps_low, 1 + eps_high]`` and ``aggregation``, the KL weight ``settings.beta``.
 
-    def term(logp: Tensor, old: Tensor, ref: Tensor | None, weights: Tensor | None) -> LossOutput:
-        return grpo_token_loss(
-            logp,
-            old,
-            advantages,
-            record.gen_mask,
-            ref_logp=ref,
-            clip_eps=settings.clip_eps,
-            beta=settings.beta,
-            is_weights=weights,
-        )
-
-    return token_loss(LossInputs(loop, record, advantages, settings, reference, anchor), term)
-
-
-# (recomputed token log-probs, old log-probs, reference log-probs or None, importance weights or None)
-TokenTerm = Callable[[Tensor, Tensor, Any, Any], LossOutput]
-
-
-def token_loss(inputs: LossInputs, term: TokenTerm) -> LossOutput:
-    """A refiner loss ``term(logp, old, ref, weights)`` of ``record``'s tokens re-scored under the current
-    weights, the reference scored when ``settings.beta > 0`` and the old log-probs the behavior ones (or
-    the anchor under a rollout correction); its log-probs are the detached recomputed ones (what C2 compares)."""
+    The tokens are re-scored under the current weights, the reference scored when ``settings.beta > 0`` and the
+    old log-probs are the behavior ones (or the anchor under a rollout correction, with its importance
+    weights); the returned ``logp`` is the detached recompute (what C2 compares). Every refiner algorithm
+    (token GRPO, DAPO, GSPO) is this call with its own clip range and aggregation.
+    """
     logp, ref = score_with_reference(inputs.loop, inputs.record, inputs.settings, inputs.reference)
     old, weights = anchor_and_weights(logp, inputs.record.old_logp, inputs.settings, inputs.anchor)
-    return replace(term(logp, old, ref, weights), logp=logp.detach())
+    out = token_policy_loss(
+        logp,
+        old,
+        inputs.advantages,
+        inputs.record.gen_mask,
+        ref_logp=ref,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        beta=inputs.settings.beta,
+        aggregation=aggregation,
+        is_weights=weights,
+    )
+    return replace(out, logp=logp.detach())
 
 
 def dit_loss(
     loop: DiffusionDenoise,
     record: DiTRecord,
     advantages: Tensor,
-    settings: ExpertLoss,
+    settings: LossSettings,
     reference: Reference,
     backward: Callable[[Tensor], None] | None = None,
     anchor: Tensor | None = None,

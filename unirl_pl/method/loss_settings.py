@@ -1,0 +1,53 @@
+"""Per-expert policy-loss settings (``model.llm_loss``, ``model.transformer_loss``): what the module's
+configuration gives each trained expert's algorithm; the losses themselves are :mod:`unirl_pl.algorithms`'."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class ExpertLoss:
+    """Per-expert policy-loss settings.
+
+    Args:
+        clip_eps: PPO ratio clip range ``[1-eps, 1+eps]`` (GRPO uses ~0.2, Flow-GRPO ~1e-4).
+        beta: Weight of the KL to the adapter-disabled reference policy (0 skips the reference forward).
+        grad_clip: Clip this expert's gradient norm to this value (None: no clipping, norm still logged).
+        rollout_correction: ``off`` anchors the PPO ratio at the behavior log-prob rollout recorded (on-policy
+            by construction: the C2 gate proves the two agree). ``tis`` corrects a numerics mismatch between
+            rollout and training (bf16 kernels, KV-cache decode, other batch shapes) instead: the ratio is
+            anchored at the log-prob the trainer recomputes before any update, and each term's policy loss is
+            weighted by the truncated importance weight ``min(exp(recomputed - behavior), tis_cap)`` (per
+            token for the LM, per SDE step for the DiT), as verl's decoupled rollout correction
+            (``rollout_is: token``) and TRL's ``vllm_importance_sampling_correction`` do. The C2 gate then
+            measures and logs (``rollout_corr/*``) and stops only on a mismatch far beyond numerics.
+        tis_cap: Upper truncation of the importance weight (verl's ``rollout_is_threshold`` and TRL's
+            ``vllm_importance_sampling_cap``, both 2.0 by default); >= 1 so agreeing terms keep weight 1.
+        mini_batches: Optimizer steps per PPO epoch over one rollout: the expert's records split into this many
+            mini-batches, prompt groups kept whole (:mod:`unirl_pl.method.minibatch`). The first is on-policy
+            (the C2 gate proves it on the whole rollout, before any update); the later ones are stale by design,
+            which is what the clip range acts on. 1: the whole rollout in one step.
+    """
+
+    clip_eps: float = 0.2
+    beta: float = 0.01
+    grad_clip: float | None = 1.0
+    rollout_correction: Literal["off", "tis"] = "off"
+    tis_cap: float = 2.0
+    mini_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.mini_batches < 1:
+            raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
+        if self.rollout_correction not in ("off", "tis"):
+            raise ValueError(f"rollout_correction must be 'off' or 'tis', got {self.rollout_correction!r}")
+        if not self.tis_cap >= 1.0:
+            raise ValueError(f"tis_cap must be >= 1 (agreeing log-probs have weight 1), got {self.tis_cap}")
+        if self.clip_eps <= 0:
+            raise ValueError(f"clip_eps must be > 0, got {self.clip_eps}")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0 (0 turns the KL term off), got {self.beta}")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise ValueError(f"grad_clip must be > 0 or null, got {self.grad_clip}")
