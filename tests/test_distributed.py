@@ -8,6 +8,7 @@ Multi-process runs launch the CLI as a subprocess because Lightning re-executes 
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,53 @@ def test_fsdp2_resume_is_bit_exact(tmp_path):
     assert a["unirl_versions"] == b["unirl_versions"] and a["unirl_versions"]["llm"] == 4, "2 steps x 2 mini-batches"
     lora = [k for k in a["state_dict"] if "lora_" in k]
     assert lora and all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in lora)
+
+
+# Validation: the tiny experts scored by the ShapesWorld verifier on 7 held-out prompts, 2 per batch. On 2 ranks
+# the strided shards are prompts 0, 2, 4, 6 and 1, 3, 5 plus a padded row, so each rank holds categories the other
+# lacks (the composition split cycles the six categories) and one batch is part padding.
+VALIDATE = [
+    "--trainer.limit_val_batches=1.0",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+    "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+    "--model.rewards={shapes_geneval: 1.0, brightness: 0.5}",
+    "--model.reward_args={}",
+    "--data.init_args.val_batch_size=2",
+]
+
+
+def _validate(tmp_path: Path, name: str, *extra: str) -> dict[str, float]:
+    """The ``val/`` values a ``validate`` of :data:`VALIDATE` logs (rank 0's metrics.csv)."""
+    prompts = tmp_path / "val.jsonl"
+    rows = (ROOT / "unirl_pl" / "assets" / "shapes" / "prompts_composition.jsonl").read_text().splitlines()
+    prompts.write_text("\n".join(rows[:7]) + "\n")
+    out = tmp_path / name
+    run_cli_subprocess(
+        "validate", "--config", TINY, *extra, *VALIDATE,
+        f"--data.init_args.val_prompts={prompts}",
+        f"--trainer.logger.init_args.save_dir={out}",
+        f"--trainer.default_root_dir={out}",
+        timeout=600,
+    )  # fmt: skip
+    (path,) = out.glob("**/metrics.csv")
+    (row,) = csv.DictReader(path.open())
+    return {key: float(value) for key, value in row.items() if key.startswith("val/") and value != ""}
+
+
+@pytest.fixture(scope="module")
+def single_validation(tmp_path_factory) -> dict[str, float]:
+    return _validate(tmp_path_factory.mktemp("single_val"), "single")
+
+
+@pytest.mark.parametrize("name, overlay", [("ddp", "ddp.yaml"), ("fsdp2", "fsdp.yaml")])
+def test_two_rank_validation_matches_one_process(tmp_path, single_validation, name, overlay):
+    """Every ``val/`` value of a 2-rank validation, the per-category breakdown included, is one process's:
+    each score's sum and count are summed over ranks, and the padded row counts nowhere."""
+    categories = {key.rsplit("/", 1)[1] for key in single_validation if key.startswith("val/shapes_geneval/")}
+    assert categories == {"overall", "single_object", "two_object", "counting", "colors", "position", "color_attr"}
+    multi = _validate(tmp_path, name, "--config", str(ROOT / "recipes" / overlay))
+    assert multi.keys() == single_validation.keys(), f"{name}: keys differ"
+    diffs = {key: abs(multi[key] - single_validation[key]) for key in multi}
+    print(f"{name} validation max abs diff: {max(diffs.values()):.3e}")
+    assert all(diff <= 1e-6 for diff in diffs.values()), f"{name}: 2-rank validation differs: {diffs}"

@@ -74,11 +74,11 @@ def test_token_policy_loss_masks_padding_and_adds_kl():
 
 
 # The token loss's three aggregations on one batch where each gives its own number. Rows: 3 real tokens with
-# log-ratios (0.2, 0, -0.2) and advantage 1; 1 real token with log-ratio 0.4 and advantage 2; no real token
+# log-ratios (0.25, 0.05, -0.15) and advantage 1; 1 real token with log-ratio 0.4 and advantage 2; no real token
 # (advantage 5, which would move every mean if the empty row counted). Clip 0.3 on both sides: only the
 # token ratio e^0.4 = 1.49 clips (to 1.3, its advantage positive: the high side). The reference sits at
 # per-token offsets, so a token mean and a per-row mean of the KL differ too.
-_LOG_RATIO = [[0.2, 0.0, -0.2], [0.4, 0.0, 0.0], [0.0, 0.0, 0.0]]
+_LOG_RATIO = [[0.25, 0.05, -0.15], [0.4, 0.0, 0.0], [0.0, 0.0, 0.0]]
 _MASK = [[1, 1, 1], [1, 0, 0], [0, 0, 0]]
 _REF_OFFSET = [[0.1, -0.3, 0.5], [0.2, 0.0, 0.0], [0.0, 0.0, 0.0]]
 _ADV = [1.0, 2.0, 5.0]
@@ -105,36 +105,41 @@ _KL_ROW1 = [_k3(_REF_OFFSET[1][0])]
 
 def test_token_mean_averages_every_real_token_of_the_batch():
     out = _mode("token_mean")
-    terms = [-math.exp(0.2), -1.0, -math.exp(-0.2), -2 * 1.3]
+    terms = [-math.exp(0.25), -math.exp(0.05), -math.exp(-0.15), -2 * 1.3]
     assert float(out.pg_loss) == pytest.approx(sum(terms) / 4)
     assert float(out.kl) == pytest.approx(sum(_KL_ROW0 + _KL_ROW1) / 4)
     assert float(out.loss) == pytest.approx(sum(terms) / 4 + 0.5 * sum(_KL_ROW0 + _KL_ROW1) / 4)
     assert float(out.clip_frac_high) == pytest.approx(1 / 4) and float(out.clip_frac_low) == 0.0
     # The ratio statistics are over real tokens.
-    assert float(out.ratio_min) == pytest.approx(math.exp(-0.2))
+    assert float(out.ratio_min) == pytest.approx(math.exp(-0.15))
     assert float(out.ratio_max) == pytest.approx(math.exp(0.4))
-    assert float(out.ratio_mean) == pytest.approx((math.exp(0.2) + 1 + math.exp(-0.2) + math.exp(0.4)) / 4)
+    assert float(out.ratio_mean) == pytest.approx(
+        (math.exp(0.25) + math.exp(0.05) + math.exp(-0.15) + math.exp(0.4)) / 4
+    )
 
 
 def test_sequence_mean_averages_each_rows_token_mean_over_the_rows_with_a_token():
     out = _mode("sequence_mean")
-    row0 = (-math.exp(0.2) - 1.0 - math.exp(-0.2)) / 3
+    row0 = (-math.exp(0.25) - math.exp(0.05) - math.exp(-0.15)) / 3
     assert float(out.pg_loss) == pytest.approx((row0 - 2 * 1.3) / 2)
     assert float(out.kl) == pytest.approx((sum(_KL_ROW0) / 3 + _KL_ROW1[0]) / 2)
     assert float(out.clip_frac_high) == pytest.approx((0 + 1) / 2)
     # The ratio is still per token: its statistics too.
-    assert float(out.ratio_min) == pytest.approx(math.exp(-0.2))
+    assert float(out.ratio_min) == pytest.approx(math.exp(-0.15))
     assert float(out.ratio_max) == pytest.approx(math.exp(0.4))
 
 
 def test_sequence_ratio_clips_one_geometric_mean_ratio_per_row():
     out = _mode("sequence_ratio")
-    # Row 0's geometric mean ratio is exp(mean(0.2, 0, -0.2)) = 1; row 1's is e^0.4, clipped to 1.3.
-    assert float(out.pg_loss) == pytest.approx((-1.0 * 1.0 - 2 * 1.3) / 2)
+    # Row 0's geometric mean ratio is exp(mean(0.25, 0.05, -0.15)) = e^0.05 (inside the clip range); row 1's
+    # is e^0.4, clipped to 1.3.
+    assert float(out.pg_loss) == pytest.approx((-1.0 * math.exp(0.05) - 2 * 1.3) / 2)
     assert float(out.kl) == pytest.approx((sum(_KL_ROW0) / 3 + _KL_ROW1[0]) / 2)
     assert float(out.clip_frac_high) == pytest.approx(1 / 2)
-    assert float(out.ratio_min) == pytest.approx(1.0) and float(out.ratio_max) == pytest.approx(math.exp(0.4))
-    assert float(out.ratio_mean) == pytest.approx((1.0 + math.exp(0.4)) / 2)
+    assert float(out.ratio_min) == pytest.approx(math.exp(0.05)) and float(out.ratio_max) == pytest.approx(
+        math.exp(0.4)
+    )
+    assert float(out.ratio_mean) == pytest.approx((math.exp(0.05) + math.exp(0.4)) / 2)
 
 
 def test_sequence_ratio_weights_a_row_by_the_geometric_mean_of_its_tokens_weights():

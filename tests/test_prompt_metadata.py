@@ -8,6 +8,7 @@ delivers every image its own prompt's row, in training and in validation."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -63,6 +64,12 @@ class IncludeCount:
         for prompt, meta in zip(prompts, metadata, strict=True):
             assert meta is None or meta["prompt"] == prompt, (prompt, meta)
         return [include_count(meta) for meta in metadata]
+
+
+def _recorded() -> list[tuple[list[str], list[Any] | None]]:
+    """IncludeCount's calls as kept by the module a dotted reward path imports (pytest may import this file
+    under another name, with a class of its own)."""
+    return importlib.import_module(HERE).IncludeCount.CALLS
 
 
 def no_metadata(prompts: list[str], refined_prompts: list[str], images: torch.Tensor) -> list[float]:
@@ -162,7 +169,7 @@ def test_evaluation_shards_keep_metadata_with_padding_and_copies(tmp_path: Path)
 
 
 def test_metadata_goes_only_to_terms_that_declare_it_each_image_its_own():
-    IncludeCount.CALLS.clear()
+    _recorded().clear()
     reward = WeightedSum({f"{HERE}.IncludeCount": 1.0, f"{HERE}.no_metadata": 1.0, "brightness": 0.0})
     assert [reward.wants_metadata(n) for n in reward.terms] == [True, False, False]
     assert accepts_metadata(reward) and accepts_metadata(HTTPReward("http://127.0.0.1:1/"))
@@ -176,9 +183,9 @@ def test_metadata_goes_only_to_terms_that_declare_it_each_image_its_own():
     _, parts = reward(prompts, prompts, _images(6))  # no metadata: called as before
     assert parts[f"{HERE}.IncludeCount"].tolist() == [-2.0] * 6
     # Videos scored frame by frame: every frame with its video's row.
-    _, parts = reward(prompts[:2], prompts[:2], torch.rand(2, 3, 3, 4, 4), metadata=[rows[1], rows[2]])
+    _, parts = reward(["p1", "p2"], ["p1", "p2"], torch.rand(2, 3, 3, 4, 4), metadata=[rows[1], rows[2]])
     assert parts[f"{HERE}.IncludeCount"].tolist() == [2.0, 3.0]
-    assert IncludeCount.CALLS[-1][1] == [rows[1]] * 3 + [rows[2]] * 3
+    assert _recorded()[-1][1] == [rows[1]] * 3 + [rows[2]] * 3
     with pytest.raises(ValueError, match="2 metadata items for 6 samples"):
         reward(prompts, prompts, _images(6), metadata=metadata[:2])
     # A term replaced after construction is read again.
@@ -191,7 +198,7 @@ def test_metadata_goes_only_to_terms_that_declare_it_each_image_its_own():
 
 
 def test_overlapped_remote_terms_get_each_chunk_s_metadata():
-    IncludeCount.CALLS.clear()
+    _recorded().clear()
     reward = WeightedSum({f"{HERE}.IncludeCount": 1.0})
     rows = _rows(5)
     metadata = [rows[i] for i in (0, 0, 1, 1, 2, 3, 4)]
@@ -200,7 +207,7 @@ def test_overlapped_remote_terms_get_each_chunk_s_metadata():
     images, pending = decode_while_scoring(lambda x: x, _images(7), 3, scorer, prompts, prompts, metadata=metadata)
     assert images.shape[0] == 7
     assert pending["m"]().tolist() == [include_count(m) for m in metadata]
-    assert sorted(len(p) for p, _ in IncludeCount.CALLS) == [1, 3, 3], "chunks of 3, each with its own slice"
+    assert sorted(len(p) for p, _ in _recorded()) == [1, 3, 3], "chunks of 3, each with its own slice"
 
 
 # ------------------------------------------------------------------ the http reward and the server
@@ -342,7 +349,7 @@ def test_a_fit_gives_every_image_its_prompt_s_row(tmp_path: Path):
     rows[5] = {"prompt": rows[5]["prompt"]}  # a row with nothing but its prompt: None, beside the others
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    IncludeCount.CALLS.clear()
+    _recorded().clear()
     run_cli(
         tmp_path,
         f"--data.prompts={jsonl}",
@@ -358,7 +365,7 @@ def test_a_fit_gives_every_image_its_prompt_s_row(tmp_path: Path):
     )
     by_prompt = {r["prompt"]: (r if len(r) > 1 else None) for r in rows}
     sizes = []
-    for prompts, metadata in IncludeCount.CALLS:
+    for prompts, metadata in _recorded():
         assert metadata is not None
         assert metadata == [by_prompt[p] for p in prompts]
         sizes.append(len(prompts))

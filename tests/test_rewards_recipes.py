@@ -1,5 +1,6 @@
 """The real-task reward recipes: the OCR prompts shipped with the repo are the generator's output, and
-(integration) each recipe runs the CPU override block its header documents on tiny folders."""
+(integration) each recipe runs the CPU override block its header documents on tiny folders; the GenEval
+recipe's against a fake GenEval server on loopback that checks every image arrives with its prompt's row."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from transformers import CLIPModel
 
 from tests.chat_lm import make_qwen2_chat_lm
+from tests.geneval_server import FakeGenEval, metadata_score
 from tests.helpers import ROOT, read_metrics, series
 from tests.pipelines import make_sd3_pipeline
 from tests.test_rewards_clip import _config, _save_processor
@@ -18,6 +20,7 @@ from unirl_pl.cli import main
 from unirl_pl.data import load_prompts
 from unirl_pl.rewards.ocr import quoted_text
 from unirl_pl.rewards.ocr_prompts import TEMPLATES, make_prompts, split_texts
+from unirl_pl.rewards.server import serve
 
 
 @pytest.mark.parametrize("split, count", [("train", 1024), ("val", 64)])
@@ -87,4 +90,46 @@ def test_recipe_runs_its_documented_cpu_block(tmp_path, tiny, name, term):
     )
     rows = read_metrics(cli)
     assert len(series(rows, f"reward/{term}")) == 2 and len(series(rows, f"reward/{term}_std")) == 2
+    assert cli.model.ledger["transformer"] == 2 * 2, "2 steps, 2 updates per rollout (as Flow-GRPO)"
+
+
+@pytest.mark.integration
+def test_geneval_recipe_sends_every_image_its_prompt_s_geneval_row(tmp_path, tiny):
+    """The documented CPU block against the fake GenEval server (the reference server serving FakeGenEval): a
+    sample without its prompt's row fails the request, and so the fit; every sample of both steps and of the
+    sanity check's validation batch arrives with its own row, in requests of the block's 2 images."""
+    recipe = ROOT / "recipes" / "sd35_geneval.yaml"
+    prompts = ROOT / "recipes" / "prompts" / "geneval_example.jsonl"
+    server = serve(f"{FakeGenEval.__module__}.FakeGenEval", reward_args={"prompt_file": str(prompts)})
+    fake = server.reward
+    try:
+        # The server's address for the header's, and the example file wherever the tests run from.
+        paths = {**tiny, "http://127.0.0.1:18085/": server.url, "recipes/prompts/": f"{ROOT}/recipes/prompts/"}
+        args = cpu_block(recipe, paths)
+        assert "--trainer.accelerator=cpu" in args and "--trainer.max_steps=2" in args
+        assert f"--data.prompts={prompts}" in args and any(server.url in a for a in args)
+        cli = main(
+            [
+                "fit",
+                "--config",
+                str(recipe),
+                *args,
+                f"--trainer.logger.init_args.save_dir={tmp_path}",
+                f"--trainer.default_root_dir={tmp_path}",
+                f"--trainer.callbacks.dirpath={tmp_path}/ckpt",
+                "--trainer.enable_model_summary=false",
+            ]
+        )
+    finally:
+        server.close()
+    assert not fake.mismatches, fake.mismatches[:3]
+    # 2 steps x 2 prompts x 2 texts x 1 image, and the sanity check's validation batch of 2 prompts.
+    assert len(fake.seen) == 2 * 2 * 2 + 2, len(fake.seen)
+    assert all(meta == fake.rows[prompt] for prompt, meta in fake.seen)
+    assert sum(server.batcher.calls) == len(fake.seen)
+    rows = read_metrics(cli)
+    scores = series(rows, "reward/http")
+    assert len(scores) == 2 and len(series(rows, "reward/refiner_format")) == 2
+    low, high = min(map(metadata_score, fake.rows.values())), max(map(metadata_score, fake.rows.values()))
+    assert all(low <= score <= high + 0.01 for score in scores), scores
     assert cli.model.ledger["transformer"] == 2 * 2, "2 steps, 2 updates per rollout (as Flow-GRPO)"

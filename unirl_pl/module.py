@@ -2,7 +2,7 @@
 
 Where each step goes: the experience source (:mod:`unirl_pl.method.experience`) runs rollout from
 ``on_after_batch_transfer``; ``training_step`` scores each trained component's records under the
-current weights (:mod:`unirl_pl.method.grpo`), backpropagates and steps that expert's optimizer. The
+current weights (:mod:`unirl_pl.algorithms.drivers`), backpropagates and steps that expert's optimizer. The
 loops are :mod:`unirl_pl.loops`, the conditioning :mod:`unirl_pl.conditioning`, the math
 :mod:`unirl_pl.losses` and :mod:`unirl_pl.sampling`.
 """
@@ -27,7 +27,7 @@ from unirl_pl.checkpoint import load_run_state, save_run_state
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.distributed import shard_experts
-from unirl_pl.evaluation import serve, validation_scores
+from unirl_pl.evaluation import ValidationMetrics, serve, validation_keys, validation_scores
 from unirl_pl.experts import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
 from unirl_pl.loops import ARDecode, DiffusionDenoise, EvalSampler, RolloutConfig, write_schedule
@@ -162,6 +162,7 @@ class UniRLModule(pl.LightningModule):
             normalize=reward_normalization,
         )
         self.nonfinite_rewards = nonfinite_rewards
+        self.val_metrics = ValidationMetrics(validation_keys(self.reward_fn))  # the val/* scores, summed over ranks
         self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
         self.losses = {"llm": llm_loss, "transformer": transformer_loss}
         self.generator_algorithm, self.llm_algorithm = generator_algorithm, llm_algorithm
@@ -355,13 +356,12 @@ class UniRLModule(pl.LightningModule):
         refined, images = self.serve(batch)
         n = batch.real  # shard padding ran (every rank made the same forwards) but is not scored
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        means, breakdown, total = validation_scores(self._reward_for(batch), prompts, refined, images)
-        for name, value in means.items():
-            self.log(f"val/reward_{name}", value, batch_size=n, sync_dist=True, prog_bar=name == "mean")
-        # Weighted by each key's count, so the epoch mean is exact however batches mix categories. Keys
-        # differ between ranks, so no sync: under DDP this is rank 0's shard.
-        for key, mean, count in breakdown:
-            self.log(f"val/{key}", mean, batch_size=count, sync_dist=False)
+        scores, total = validation_scores(self._reward_for(batch), prompts, refined, images)
+        self.val_metrics.update(scores)
+        # Every rank logs every key, its shard's missing categories too: each metric's sum and count are summed
+        # over ranks when the epoch's values are first read, so the all-gathers line up and N ranks equal one.
+        for key, metric in self.val_metrics.items():
+            self.log(f"val/{key}", metric, prog_bar=key == "reward_mean")
         # The first batch's pictures, for callbacks that show them (ValidationImages).
         pictures = {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
         return pictures if batch_idx == 0 else None

@@ -1,9 +1,10 @@
 """Rewards: typed callables ``reward(prompts, refined_prompts, images) -> list[float]``.
 
 ``images`` is a float tensor (N, 3, H, W) in [0, 1]; ``prompts`` are the original user prompts and
-``refined_prompts`` what the generator was conditioned on. A recipe names rewards from the
-registry or by dotted path (``mypkg.rewards.my_reward``) with a weight each; their weighted sum is
-the scalar the advantages are computed from (after per-term group normalization when asked).
+``refined_prompts`` what the generator was conditioned on; a reward that declares a ``metadata``
+parameter also gets each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`). A recipe names
+rewards from the registry or by dotted path (``mypkg.rewards.my_reward``) with a weight each; their
+weighted sum is the scalar the advantages are computed from (after per-term group normalization when asked).
 Preference scorers run in process (``clip_models``, ``hpsv2``), VLM judges over an OpenAI-compatible
 API (``vlm_judge``), anything else behind the reference server (``server``, ``http``).
 """

@@ -17,6 +17,11 @@ from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec, requested_objects
 from unirl_pl.shapes.verify import Verdict, verify
 
 SCORES: tuple[str, ...] = ("soft", "strict")
+# Every key ``breakdown`` can report, in its order: validation logs one metric per key on every rank, so they
+# must be known before any image is scored (a category missing from one rank's shard is still summed over ranks).
+BREAKDOWN_KEYS: tuple[str, ...] = tuple(
+    f"{score}/{name}" for name in (*CATEGORIES, "overall") for score in ("strict", "soft")
+)
 
 
 @lru_cache(maxsize=65536)
@@ -63,6 +68,8 @@ class ShapesGenEval:
             refined prompts and stays the GenEval-style image check.
     """
 
+    breakdown_keys: tuple[str, ...] = BREAKDOWN_KEYS
+
     def __init__(
         self, score: str = "soft", penalize_extra: bool = False, penalize_requested_extra: bool = False
     ) -> None:
@@ -93,7 +100,8 @@ class ShapesGenEval:
         """``{key: (mean, count)}`` of strict and soft scores per category and overall (``strict/counting``).
 
         Counts let a caller average exactly over batches of different composition. Categories absent
-        from the batch are left out; ``overall`` is the mean over images, matching the reward mean.
+        from the batch are left out; ``overall`` is the mean over images, matching the reward mean. Every
+        key is one of :attr:`breakdown_keys`.
         """
         verdicts = _verdicts(prompts, images, self.penalize_extra)
         groups: dict[str, list[Verdict]] = defaultdict(list)
