@@ -1,5 +1,5 @@
-"""Gradient parity across strategies: one RL step on 2 ranks (DDP, FSDP2) == one step in 1 process, same P prompts
-(two SGD updates per rollout: two mini-batches).
+"""Parity across strategies: one RL step on 2 ranks (DDP, FSDP2) == one step in 1 process, same P prompts
+(two SGD updates per rollout: two mini-batches); a 2-rank validation logs one process's ``val/`` values.
 
 SGD (not Adam) and no gradient clipping, because Adam's first step is ``lr * sign(g)`` and clipping
 rescales: either would hide a rank-summed instead of rank-averaged gradient (pytorch issue 162338).

@@ -80,7 +80,8 @@ def test_metrics_pool_over_batches_leave_unseen_keys_out_and_reset():
         metrics.update({"t/soft/a": (1.0, 1)})
     for _, metric in metrics.items():
         metric.reset()
-    assert all(metric.compute() is None for _, metric in metrics.items())
+    with pytest.warns(UserWarning, match="called before the ``update`` method"):
+        assert all(metric.compute() is None for _, metric in metrics.items())
 
 
 def _free_port() -> int:
@@ -119,3 +120,27 @@ def test_two_ranks_pool_every_key_as_one_process(tmp_path):
             assert values["t/strict/a"].item() == pytest.approx(1 / 3)
             assert values["t/strict/b"].item() == 1.0
             assert values["t/strict/c"] is None
+
+
+@pytest.mark.parametrize("loader", ["val_dataloader", "predict_dataloader"])
+def test_lightning_leaves_each_ranks_evaluation_shard_whole(monkeypatch, loader):
+    """The data module shards held-out prompts by rank itself; Lightning adds its own distributed sampler to a
+    loader unless the loader's sampler is one, which would split each rank's shard again (half its batches)."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.trainer.connectors.data_connector import _DataConnector
+    from torch.utils.data import DistributedSampler
+
+    from unirl_pl.data import PromptDataModule
+
+    prompts = [f"a red circle number {i}" for i in range(7)]
+    dm = PromptDataModule(val_prompts=prompts, predict_prompts=prompts, val_batch_size=2)
+    monkeypatch.setattr(PromptDataModule, "_world", lambda self: (1, 2))  # rank 1 of 2: prompts 1, 3, 5 + padding
+    data = getattr(dm, loader)()
+    connector = SimpleNamespace(use_distributed_sampler=True, is_distributed=True)
+    trainer = SimpleNamespace(_accelerator_connector=connector)
+    assert not _DataConnector._requires_distributed_sampler(SimpleNamespace(trainer=trainer), data)
+    assert isinstance(data.sampler, DistributedSampler)
+    batches = list(data)
+    assert [p for b in batches for p in b.prompts[: b.real]] == [prompts[1], prompts[3], prompts[5]]
+    assert [len(b.prompts) for b in batches] == [2, 2], "both batches, the second padded"

@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from unirl_pl.errors import InputError
 from unirl_pl.layout import GroupLayout, check_prompt_counts
@@ -295,7 +295,12 @@ class PromptDataModule(pl.LightningDataModule):
         rank, world = self._world()
         seed = self.seed if self.val_seed is None else self.val_seed
         shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed, metadata)
-        return DataLoader(shard, batch_size=1, collate_fn=_identity)
+        # The shard is this rank's already. Lightning would split a loader again across ranks (a
+        # DistributedSampler in validation, an unrepeated one in predict: each rank scored half its share);
+        # it leaves a loader alone whose sampler is a DistributedSampler, and one of one replica reads the
+        # shard in order.
+        sampler = DistributedSampler(shard, num_replicas=1, rank=0, shuffle=False)
+        return DataLoader(shard, batch_size=1, sampler=sampler, collate_fn=_identity)
 
     def val_dataloader(self) -> DataLoader:
         # Copy-major: the list's index is the request id, so copy c of prompt j draws its own noise.
