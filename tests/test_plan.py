@@ -28,16 +28,18 @@ from tests.pipelines import make_sd3_pipeline
 from unirl_pl.algorithms import FlowGRPO
 from unirl_pl.algorithms.drivers import dit_loss
 from unirl_pl.cli import main
+from unirl_pl.errors import ConfigError
 from unirl_pl.generators import SD3Generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.method import ExpertLoss
 from unirl_pl.plan.models import SHIPPED, meta_model, resolve_folder
 from unirl_pl.plan.planner import plan_step
-from unirl_pl.plan.recipe import RecipeError, apply_override, merge, read_recipes, step_recipe
+from unirl_pl.plan.recipe import RecipeError, parsed_recipe, step_recipe
 from unirl_pl.plan.search import candidates_up_to, largest_fitting
 from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker, usage_from_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
+SD35 = str(ROOT / "recipes" / "sd35.yaml")
 # The family recipe scaled to the tiny folders, as its CPU header says (float32: the tiny models' dtype).
 TINY = {
     "model.generator.init_args.height": "32",
@@ -60,11 +62,12 @@ def folders(tmp_path_factory) -> tuple[Path, str]:
     return make_sd3_pipeline(root / "sd3"), make_qwen2_chat_lm(root / "qwen")
 
 
+def _overrides(settings: dict[str, str]) -> list[str]:
+    return [f"--{key}={value}" for key, value in settings.items()]
+
+
 def _tiny_recipe(**extra: str):
-    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml")])
-    for key, value in {**TINY, **extra}.items():
-        apply_override(config, key, value)
-    return step_recipe(config)
+    return step_recipe(parsed_recipe(["--config", SD35, *_overrides({**TINY, **extra})]))
 
 
 def _plan_tiny(recipe, folders: tuple[Path, str], real: bool = False):
@@ -107,9 +110,9 @@ def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit
     """With ``rollout.lm_micro_batch_size`` the refiner's loss is backpropagated before the DiT's update: what
     it holds there shrinks from its whole graph to its LoRA gradients, and the DiT update's peak with it."""
     pipeline, lm = folders
-    plans = {
-        size: _plan_tiny(_tiny_recipe(**{"model.rollout.lm_micro_batch_size": size}), folders) for size in ("null", "1")
-    }
+    # As JSON: fit's parser refuses --model.rollout.lm_micro_batch_size=null (plan now reads what fit reads).
+    settings = {size: {"model.rollout": f'{{"lm_micro_batch_size": {size}}}'} for size in ("null", "1")}
+    plans = {size: _plan_tiny(_tiny_recipe(**setting), folders) for size, setting in settings.items()}
     whole, chunked = plans["null"], plans["1"]
     assert chunked.lm_micro_batch == 1 and whole.lm_micro_batch is None
     assert 0 < chunked.held_lm_graph < whole.held_lm_graph / 4
@@ -219,21 +222,24 @@ def test_largest_fitting_finds_the_boundary_by_traces():
 
 
 def test_recipe_reading_merges_overlays_and_rejects_unknown_keys(tmp_path):
-    assert merge({"a": {"b": 1, "c": 2}}, {"a": {"c": 3}, "d": 4}) == {"a": {"b": 1, "c": 3}, "d": 4}
-    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml"), str(ROOT / "recipes" / "fsdp.yaml")])
-    recipe = step_recipe(config, devices=8)
+    overlaid = ["--config", SD35, "--config", str(ROOT / "recipes" / "fsdp.yaml")]
+    recipe = step_recipe(parsed_recipe(overlaid), devices=8)
     assert recipe.fsdp and recipe.devices == 8 and recipe.generator_class is SD3Generator
-    apply_override(config, "model.rollout.micro_batch_size", "4")  # init_args skipped, as on fit's command line
-    assert step_recipe(config).rollout.micro_batch_size == 4
-    apply_override(config, "model.rollout.micro_batch", "4")
-    with pytest.raises(RecipeError, match="model.rollout"):
-        step_recipe(config)
+    # init_args skipped, as on fit's command line (it is fit's parser).
+    assert step_recipe(parsed_recipe([*overlaid, "--model.rollout.micro_batch_size=2"])).rollout.micro_batch_size == 2
+    # Neither an unknown key nor a prefix of a known one (argparse would take it for micro_batch_size).
+    for unknown in ("--model.rollout.micro_batch=4", "--model.rollout.micro_batchx=4"):
+        with pytest.raises(ConfigError, match="model: unrecognized arguments: --rollout.micro_batch"):
+            parsed_recipe([*overlaid, unknown])
     # The algorithms are the recipe's (what PolicyLosses calls), Flow-GRPO and token GRPO by default.
     assert (
         type(recipe.generator_algorithm).__name__ == "FlowGRPO" and type(recipe.llm_algorithm).__name__ == "TokenGRPO"
     )
-    dapo = read_recipes([str(ROOT / "recipes" / name) for name in ("sd35.yaml", "algorithms/dapo.yaml")])
+    dapo = parsed_recipe(["--config", SD35, "--config", str(ROOT / "recipes" / "algorithms" / "dapo.yaml")])
     assert type(step_recipe(dapo).llm_algorithm).__name__ == "DAPO"
+    # A family generator and a pretrained refiner (or none) only: the test bed's are no real-size models.
+    with pytest.raises(RecipeError, match="plan needs a family generator"):
+        step_recipe(parsed_recipe(["--config", str(ROOT / "recipes" / "tiny.yaml")]))
 
 
 # ------------------------------------------------------------------ shipped configs
@@ -305,7 +311,8 @@ def test_plan_command_refuses_a_missing_recipe_in_one_line(capsys):
         ("--data.init_args.prompts_per_step=-4", "error: data: prompts_per_step must be >= 1, got -4"),
         ("--data.prompts_per_step=0", "error: data: prompts_per_step must be >= 1, got 0"),
         ("--data.val_batch_size=0", "error: data: val_batch_size must be >= 1, got 0"),
-        ("--data.prompts_per_step=two", "error: data: prompts_per_step must be an integer, got 'two'"),
+        # The type is the parser's to check, as fit's (tests/test_plan_config.py compares the two commands).
+        ("--data.prompts_per_step=two", "error: data.prompts_per_step: Expected a <class 'int'>. Got value: two"),
     ],
 )
 def test_plan_refuses_a_count_fit_refuses_in_one_line(override, message, capsys):
@@ -332,12 +339,10 @@ def test_a_missing_model_folder_is_an_error_not_the_shipped_default():
 def test_fsdp_plan_shards_the_trained_experts(folders):
     """Over 2 fake ranks the trained experts' weights are halved on each rank; frozen parts stay whole."""
     pipeline, lm = folders
-    config = read_recipes([str(ROOT / "recipes" / "sd35.yaml"), str(ROOT / "recipes" / "fsdp.yaml")])
-    for key, value in TINY.items():
-        apply_override(config, key, value)
+    overlaid = ["--config", SD35, "--config", str(ROOT / "recipes" / "fsdp.yaml"), *_overrides(TINY)]
     weights = {}
     for devices in (1, 2):
-        apply_override(config, "data.prompts_per_step", str(2 * devices))  # the same per-rank step
+        config = parsed_recipe([*overlaid, f"--data.prompts_per_step={2 * devices}"])  # the same per-rank step
         plan = plan_step(
             step_recipe(config, devices=devices),
             budget=1 << 40,

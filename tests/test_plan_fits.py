@@ -25,7 +25,7 @@ import yaml
 
 from unirl_pl.plan import run
 from unirl_pl.plan.planner import Plan
-from unirl_pl.plan.recipe import apply_override, read_recipes, step_recipe
+from unirl_pl.plan.recipe import parsed_recipe, step_recipe
 from unirl_pl.plan.rewards import planned_rewards
 from unirl_pl.plan.step import step_sizes
 from unirl_pl.plan.tracker import GiB
@@ -91,8 +91,7 @@ def plan_of(name: str) -> tuple[Plan, float]:
 def test_per_rank_sizes_divide_the_step_over_the_devices():
     """Each rank plans prompts_per_step / devices prompts and what follows from them; a planner that gives
     every rank the whole step (the sizes of one device) fails. ``trainer.devices`` is the default."""
-    config = read_recipes([str(RECIPES / "sd35.yaml")])
-    apply_override(config, "data.prompts_per_step", "16")
+    config = parsed_recipe(["--config", str(RECIPES / "sd35.yaml"), "--data.prompts_per_step=16"])
     whole = step_sizes(step_recipe(config, devices=1), refines=True, prompt_tokens=128)
     assert (whole.prompts, whole.texts, whole.refined, whole.images) == (16, 128, 112, 128)
     for devices in (2, 4, 8, 16):
@@ -107,7 +106,7 @@ def test_per_rank_sizes_divide_the_step_over_the_devices():
             whole.new_tokens,
             whole.prompt_tokens,
         )
-    wan22 = step_recipe(read_recipes([str(RECIPES / "wan22_t2v.yaml")]))  # trainer.devices: 8, FSDP2
+    wan22 = step_recipe(parsed_recipe(["--config", str(RECIPES / "wan22_t2v.yaml")]))  # trainer.devices: 8, FSDP2
     assert wan22.devices == 8 and wan22.fsdp
     sizes = step_sizes(wan22, refines=True, prompt_tokens=128)
     assert (sizes.prompts, sizes.images) == (1, 4), "8 prompts a step over 8 ranks: one prompt's 4 videos each"
@@ -118,13 +117,13 @@ def test_plan_counts_the_in_process_reward_models():
     (986M parameters) in the recipe's float32; OCR and the format rule hold nothing on the device."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    pick = step_recipe(read_recipes([str(RECIPES / "sd35_pickscore.yaml")]))
+    pick = step_recipe(parsed_recipe(["--config", str(RECIPES / "sd35_pickscore.yaml")]))
     (term,) = planned_rewards(pick.rewards, FakeTensorMode())
     assert term.name == "pickscore" and term.on_device and term.batch_size == 32
     assert abs(term.parameters - 986.1e6) <= 0.01 * 986.1e6, term.parameters
     assert abs(term.weight_bytes - 4 * term.parameters) <= 0.01 * term.weight_bytes  # float32
     assert "ViT-H/14" in term.line() and "GiB" in term.line()
-    ocr = step_recipe(read_recipes([str(RECIPES / "sd35_ocr.yaml")]))
+    ocr = step_recipe(parsed_recipe(["--config", str(RECIPES / "sd35_ocr.yaml")]))
     terms = planned_rewards(ocr.rewards, FakeTensorMode())
     assert [t.name for t in terms] == ["ocr", "refiner_format"] and not any(t.on_device for t in terms)
     assert "onnxruntime" in terms[0].line()

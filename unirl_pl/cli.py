@@ -21,6 +21,9 @@ What the command line adds to LightningCLI:
 - a configuration error (parsing, instantiation, a missing input file) and a bad input file found
   while running (:class:`~unirl_pl.errors.InputError`) print one short message and exit with status 2;
   ``JSONARGPARSE_DEBUG=1`` shows the traceback instead.
+- :func:`parse_config`: a command line's configuration, parsed and defaults filled, with nothing built: how
+  ``plan`` reads a recipe, so the constructors hold the only defaults (the files themselves are read in
+  :mod:`unirl_pl.recipes`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+from jsonargparse import Namespace
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
@@ -44,18 +48,15 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from unirl_pl.callbacks.run_checkpoint import RunCheckpoint
 from unirl_pl.checkpoint import AtomicCheckpointIO, gather_trainable_on_save
 from unirl_pl.commands import PROG, run_before_lightning
-from unirl_pl.errors import InputError
+from unirl_pl.errors import ConfigError, InputError
 from unirl_pl.option_hints import option_homes, refused_option
 from unirl_pl.paths import resolve_inputs, search_roots
+from unirl_pl.recipes import config_paths, load_recipe
 from unirl_pl.threads import set_threads
 
 _PACKAGE = Path(__file__).resolve().parent
 _UNION = "Does not validate against any of the Union subtypes"
 _CONFIG_ERRORS = (argparse.ArgumentError, ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError)
-
-
-class ConfigError(Exception):
-    """A configuration mistake, already worded for the user (``main`` prints it and exits with status 2)."""
 
 
 def config_error_message(err: BaseException) -> str:
@@ -138,6 +139,9 @@ class UniRLParser(LightningArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("prog", PROG)
+        # The parsers jsonargparse builds this way read a class's own keys (--model.rollout.micro_batch=4): without
+        # this, argparse would take that prefix for micro_batch_size, as main refuses at the top level.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
@@ -147,10 +151,12 @@ class UniRLCLI(LightningCLI):
     Args:
         friendly_errors: Turn configuration errors into :class:`ConfigError` with a short message
             (``main`` with ``run=True``); otherwise they propagate unchanged.
+        parse_only: Stop once the configuration is parsed, raising :class:`_Parsed` with it (:func:`parse_config`).
     """
 
-    def __init__(self, *args: Any, friendly_errors: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, friendly_errors: bool = False, parse_only: bool = False, **kwargs: Any) -> None:
         self.friendly_errors = friendly_errors
+        self.parse_only = parse_only
         self.raw_args: list[str] = []
         self._run_root: Path | None = None  # the recipe's runs, for --ckpt_path last without a logger
         super().__init__(*args, **kwargs)
@@ -172,9 +178,14 @@ class UniRLCLI(LightningCLI):
             raise ConfigError(config_error_message(err)) from err
 
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        self.raw_args = [a for a in (sys.argv[1:] if args is None else args) if isinstance(a, str)]
+        given = [] if isinstance(args, dict) else sys.argv[1:] if args is None else args
+        self.raw_args = [a for a in given if isinstance(a, str)]
         with self._config_phase():
             super().parse_arguments(parser, args)
+        if self.parse_only:
+            # LightningCLI's constructor goes on to seed the process's RNGs (seed_everything) and to build the
+            # trainer, the model and the data; a caller that wants the settings only leaves it here.
+            raise _Parsed(self.config)
 
     def _parse_ckpt_path(self) -> None:
         with self._config_phase():
@@ -260,28 +271,51 @@ def check_recipe_files(args: list[str]) -> None:
     jsonargparse reports a YAML syntax error against ``"<unicode string>"``, without the file, and a file
     that is not UTF-8 (or is binary) ends in a codec traceback.
     """
-    import yaml
+    for path in config_paths(args):
+        load_recipe(path)
 
-    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    for path in paths:
-        try:
-            with open(path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            raise ConfigError(f"--config {path}: no such file") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            line = raw.count(b"\n", 0, err.start) + 1
-            hint = "a binary file, not a YAML recipe" if b"\0" in raw[:4096] else "save the recipe as UTF-8"
-            raise ConfigError(f"{path}: line {line}: not UTF-8 text (byte {raw[err.start]:#04x}); {hint}") from None
-        try:
-            yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            where = getattr(err, "problem_mark", None)
-            line = f" line {where.line + 1}, column {where.column + 1}:" if where is not None else ""
-            raise ConfigError(f"{path}:{line} not valid YAML ({getattr(err, 'problem', None) or err})") from None
+
+class _Parsed(Exception):
+    """How a parse-only :class:`UniRLCLI` hands its configuration out of LightningCLI's constructor, which
+    parses, seeds and instantiates in one call with no hook between parsing and seeding."""
+
+    def __init__(self, config: Namespace) -> None:
+        super().__init__("configuration parsed")
+        self.config = config
+
+
+def parse_config(args: list[str]) -> Namespace:
+    """The configuration ``fit`` runs ``args`` with: the ``--config`` recipes and dotted overrides (later wins)
+    through the CLI's own parser, every key they leave out at its constructor's default. Nothing is
+    instantiated and no seed is set. The parser is the one without subcommands (``main(args, run=False)``'s):
+    ``fit``'s keys less its ``ckpt_path``.
+
+    This is how a command other than ``fit``/``validate``/``predict`` reads a recipe's settings (``plan``), so
+    defaults live in the constructors only. Raises :class:`ConfigError` worded as ``fit`` words it (with
+    ``JSONARGPARSE_DEBUG=1``, the library's error as is).
+    """
+    friendly = not os.environ.get("JSONARGPARSE_DEBUG")
+    if friendly:
+        check_recipe_files(args)
+    try:
+        with warnings.catch_warnings():
+            # LightningCLI warns when it is given args while sys.argv holds others: the caller's own command line.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+            _build_cli(args, run=False, friendly=friendly, parse_only=True)
+    except _Parsed as parsed:
+        return parsed.config
+    raise AssertionError("a parse-only UniRLCLI hands its configuration out by raising _Parsed")
+
+
+def config_refusal(err: ConfigError, args: list[str], command: str) -> str:
+    """What a command prints for a configuration error (two lines, or three with a hint): the message,
+    where a refused option is accepted in the recipes of ``args`` (or close spellings), and the help to read.
+    ``command`` is the command line's start (``python -m unirl_pl fit``)."""
+    name = refused_option(str(err))
+    homes = option_homes(args, name) if name else []
+    exact = all(h.rsplit(".", 1)[-1] == name for h in homes)
+    where = f"\n{f'{name!r} is accepted at' if exact else 'did you mean'}: {', '.join(homes)}" if homes else ""
+    return f"error: {err}{where}\nThe options: {command} --help"
 
 
 def quiet_library_warnings() -> None:
@@ -296,15 +330,42 @@ def quiet_library_warnings() -> None:
     )
 
 
-def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
-    """Run the CLI (``args`` as on the command line; None reads ``sys.argv``).
+def _build_cli(
+    args: list[str] | dict[str, Any] | None, run: bool, friendly: bool, parse_only: bool = False
+) -> UniRLCLI:
+    """The project's LightningCLI over ``args``; ``friendly``: configuration errors as :class:`ConfigError`."""
+    # No abbreviations: argparse would take a typo such as --trainer.max_step=3 for --trainer.max_steps.
+    parser_kwargs: dict[str, Any] = {"prog": PROG, "allow_abbrev": False}
+    each: dict[str, Any] = {"allow_abbrev": False}
+    if friendly:
+        parser_kwargs["exit_on_error"] = each["exit_on_error"] = False
+    parser_kwargs.update({name: dict(each) for name in UniRLCLI.subcommands()})
+    return UniRLCLI(
+        pl.LightningModule,
+        pl.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        auto_configure_optimizers=False,
+        parser_class=UniRLParser,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs=parser_kwargs,
+        args=args,
+        run=run,
+        friendly_errors=friendly,
+        parse_only=parse_only,
+    )
+
+
+def main(args: list[str] | dict[str, Any] | None = None, run: bool = True) -> UniRLCLI:
+    """Run the CLI (``args`` as on the command line; None reads ``sys.argv``; a mapping is one recipe's
+    content, read already, with no command line: ``export`` passes the model and data of a saved run).
 
     With ``run`` (a subcommand is run), a configuration error, and a bad input file
     (:class:`~unirl_pl.errors.InputError`) wherever it is found, print one short message to stderr and
     exit with status 2; other errors while the subcommand runs propagate. ``run=False`` only parses and
     instantiates, and raises every error as is.
     """
-    given = sys.argv[1:] if args is None else args
+    given = [] if isinstance(args, dict) else list(sys.argv[1:] if args is None else args)
     handled = run_before_lightning(given)
     if handled is not None:
         raise SystemExit(handled)
@@ -312,36 +373,13 @@ def main(args: list[str] | None = None, run: bool = True) -> UniRLCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_library_warnings()
     friendly = run and not os.environ.get("JSONARGPARSE_DEBUG")
-    # No abbreviations: argparse would take a typo such as --trainer.max_step=3 for --trainer.max_steps.
-    parser_kwargs: dict[str, Any] = {"prog": PROG, "allow_abbrev": False}
-    each: dict[str, Any] = {"allow_abbrev": False}
-    if friendly:
-        parser_kwargs["exit_on_error"] = each["exit_on_error"] = False
-    parser_kwargs.update({name: dict(each) for name in UniRLCLI.subcommands()})
     try:
         if friendly:
             check_recipe_files(given)
-        return UniRLCLI(
-            pl.LightningModule,
-            pl.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            auto_configure_optimizers=False,
-            parser_class=UniRLParser,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs=parser_kwargs,
-            args=args,
-            run=run,
-            friendly_errors=friendly,
-        )
+        return _build_cli(args, run=run, friendly=friendly)
     except ConfigError as err:
-        given = sys.argv[1:] if args is None else args
         subcommand = next((f" {a}" for a in given if a in UniRLCLI.subcommands()), "")
-        name = refused_option(str(err))
-        homes = option_homes(given, name) if name else []
-        exact = all(h.rsplit(".", 1)[-1] == name for h in homes)
-        where = f"\n{f'{name!r} is accepted at' if exact else 'did you mean'}: {', '.join(homes)}" if homes else ""
-        print(f"error: {err}{where}\nThe options: {PROG}{subcommand} --help", file=sys.stderr)
+        print(config_refusal(err, given, f"{PROG}{subcommand}"), file=sys.stderr)
         raise SystemExit(2) from None
     except InputError as err:
         if not friendly:

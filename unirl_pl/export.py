@@ -20,14 +20,14 @@ prints which it wrote.
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from unirl_pl.adapters import ADAPTER_DIRS, export_adapters
+from unirl_pl.errors import ConfigError
+from unirl_pl.recipes import load_recipe
 
 # The adapter writer is shared with the AdapterExport callback (unirl_pl.adapters); kept importable from here.
 __all__ = ["ADAPTER_DIRS", "export_adapters", "load_checkpoint_into", "main"]
@@ -59,13 +59,14 @@ def main(argv: list[str] | None = None) -> dict[str, Path]:
     from unirl_pl.callbacks.ema import STATE_KEY, apply_checkpoint_ema
     from unirl_pl.cli import main as cli_main
 
-    # Only model and data matter here; a config saved by ``fit`` also holds fit-only keys (ckpt_path).
-    config = yaml.safe_load(Path(args.config).read_text())
+    try:
+        config = load_recipe(args.config)
+    except ConfigError as err:
+        parser.error(str(err))
+    # The recipe as written, then parsed by the CLI from that mapping: only model and data matter here, and a
+    # config saved by ``fit`` also holds fit-only keys (ckpt_path) and its trainer (a GPU one, on a CPU machine).
     kept = {k: config[k] for k in ("seed_everything", "model", "data") if k in config}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "config.yaml"
-        path.write_text(yaml.safe_dump(kept))
-        cli = cli_main(["--config", str(path), "--trainer.logger=false"], run=False)
+    cli = cli_main({**kept, "trainer": {"logger": False}}, run=False)
     checkpoint = load_checkpoint_into(cli.model, args.ckpt)
     ema = None if args.raw else apply_checkpoint_ema(cli.model, checkpoint)
     if ema is not None:

@@ -19,6 +19,9 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from unirl_pl.errors import ConfigError
+from unirl_pl.recipes import config_paths, load_recipe
+
 # Lightning's subcommands build these from a fixed class; ``model`` and ``data`` name theirs in the recipe.
 FIXED_ROOTS = {"trainer": "lightning.pytorch.Trainer"}
 
@@ -45,19 +48,15 @@ def option_homes(args: list[str], name: str, limit: int = 4) -> list[str]:
 
 
 def _merged_recipes(args: list[str]) -> dict[str, Any]:
-    import yaml
-
-    paths = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    # The recipes as written, not parsed: only the class_path names they hold matter here, and a parse is what
+    # just failed. A file that cannot be read adds nothing; the error being explained is another one.
     tree: dict[str, Any] = {}
-    for path in paths:
+    for path in config_paths(args):
         try:
-            with open(path, encoding="utf-8") as f:
-                loaded = yaml.safe_load(f)
-        except (OSError, ValueError, yaml.YAMLError):
+            loaded = load_recipe(path)
+        except ConfigError:
             continue
-        if isinstance(loaded, dict):
-            _merge(tree, loaded)
+        _merge(tree, loaded)
     return tree
 
 

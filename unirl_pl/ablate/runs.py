@@ -19,6 +19,8 @@ from pathlib import Path
 
 from unirl_pl.ablate.arms import Arm
 from unirl_pl.ablate.metrics import Series, read_train_cpu, read_validation
+from unirl_pl.errors import ConfigError
+from unirl_pl.recipes import load_recipe
 
 MODES: tuple[str, ...] = ("base", "base_no_refiner", "joint", "prompt_only", "generator_only")
 TRAINING_MODES: tuple[str, ...] = ("joint", "prompt_only", "generator_only")
@@ -100,13 +102,13 @@ def last_callback_is_checkpoint(config: Path) -> bool:
     ``--trainer.callbacks.dirpath=...`` sets ``dirpath`` of the last callback in the list, so it is
     given only when that callback is the checkpoint one.
     """
-    import yaml
-
+    # The recipe as written, not parsed: only the class its last callback names matters, and a parse would
+    # bring torch and Lightning into the ablation's driver, which only starts the runs (each parses its recipe).
     try:
-        recipe = yaml.safe_load(config.read_text()) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        recipe = load_recipe(str(config))
+    except ConfigError:
         return False
-    callbacks = (recipe.get("trainer") or {}).get("callbacks") or [] if isinstance(recipe, dict) else []
+    callbacks = (recipe.get("trainer") or {}).get("callbacks") or []
     last = callbacks[-1] if isinstance(callbacks, list) and callbacks else None
     path = last.get("class_path", "") if isinstance(last, dict) else str(last or "")
     return path.rsplit(".", 1)[-1] in ("ModelCheckpoint", "RunCheckpoint")

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import yaml
 
 from unirl_pl import timing
 from unirl_pl.bench.floor import Floor
 from unirl_pl.bench.record import Recorder, RunResult, clock, fill_overhead
+from unirl_pl.recipes import load_recipe
 
 
 class _Interleave(pl.Callback):
@@ -78,8 +78,9 @@ class _Interleave(pl.Callback):
 def _step_callbacks(recipe: str) -> list[Any]:
     """The recipe's callbacks less the progress bar (off) and the checkpoint one (periodic file I/O, not
     step compute; it would also write into the recipe's run folder)."""
-    with open(recipe) as f:
-        config = yaml.safe_load(f) or {}
+    # The list as the recipe writes it, not parsed: it goes back on the fit's command line below, where the
+    # CLI parses it with the rest, and a callback list has no default of a constructor to fill in.
+    config = load_recipe(recipe)
     callbacks = (config.get("trainer") or {}).get("callbacks") or []
     dropped = ("ProgressBar", "ModelCheckpoint", "RunCheckpoint")
     return [c for c in callbacks if not str(c.get("class_path", "") if isinstance(c, dict) else c).endswith(dropped)]

@@ -9,7 +9,9 @@ optimizer state; activations; temporaries; the step's resident experience), whet
 ``micro_batch_size`` and ``gradient_checkpointing`` fit, and the largest micro-batch that fits with and
 without checkpointing. Models come from ``--pipeline-path``/``--llm-path`` (local folders; their
 ``config.json`` files are enough), else from the recipe's paths, else from the configs shipped under
-``unirl_pl/assets/configs``. See :mod:`unirl_pl.plan.planner` for what is traced.
+``unirl_pl/assets/configs``. The recipes and dotted overrides are parsed by ``fit``'s own parser (every
+default a constructor's; a setting ``fit`` refuses is refused with ``fit``'s message). See
+:mod:`unirl_pl.plan.planner` for what is traced.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import sys
 import warnings
 from pathlib import Path
 
+from unirl_pl.cli import config_refusal
+from unirl_pl.errors import ConfigError
 from unirl_pl.plan.planner import Plan, plan_step
-from unirl_pl.plan.recipe import RecipeError, apply_override, read_recipes, step_recipe
+from unirl_pl.plan.recipe import RecipeError, parsed_recipe, step_recipe
 from unirl_pl.plan.report import plan_json, print_plan
 from unirl_pl.plan.tracker import GiB
 
@@ -55,8 +59,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
-    """Separate dotted recipe overrides (``--model.rollout.micro_batch_size=4`` or ``... 4``) from the
-    subcommand's own arguments."""
+    """Separate dotted recipe overrides (``--model.rollout.micro_batch_size=4`` or ``... 4``), which go to the
+    CLI's parser with the recipes, from the subcommand's own arguments."""
     own: list[str] = []
     overrides: list[tuple[str, str]] = []
     i = 0
@@ -81,10 +85,9 @@ def run(argv: list[str]) -> Plan:
     """Parse ``argv``, plan the recipe, print the table (and write ``--json``); returns the plan."""
     own, overrides = split_overrides(argv)
     args = parser().parse_args(own)
-    config = read_recipes(args.config)
-    for key, value in overrides:
-        apply_override(config, key, value)
-    recipe = step_recipe(config, devices=args.devices)
+    # The recipes first, then the overrides, each in its order: as fit reads the same command line.
+    cli_args = [*(a for path in args.config for a in ("--config", path)), *(f"--{k}={v}" for k, v in overrides)]
+    recipe = step_recipe(parsed_recipe(cli_args), devices=args.devices)
     if args.gpu_memory_gb <= args.reserve_gb:
         raise RecipeError(f"--gpu-memory-gb ({args.gpu_memory_gb}) must exceed --reserve-gb ({args.reserve_gb})")
     budget = int((args.gpu_memory_gb - args.reserve_gb) * GiB)
@@ -109,9 +112,14 @@ def run(argv: list[str]) -> Plan:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: 0 after printing a plan, 2 with a one-line ``error:`` for a configuration mistake."""
+    """Entry point: 0 after printing a plan, 2 with a one-line ``error:`` for a configuration mistake (one that
+    ``fit`` refuses in ``fit``'s words)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        run(list(sys.argv[1:] if argv is None else argv))
+        run(argv)
+    except ConfigError as err:
+        print(config_refusal(err, argv, PROG), file=sys.stderr)
+        return 2
     except (RecipeError, FileNotFoundError, ValueError, NotImplementedError) as err:
         print(f"error: {' '.join(str(err).split())}\nThe options: {PROG} --help", file=sys.stderr)
         return 2

@@ -184,8 +184,7 @@ def steady_state(
         params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
         for param in params:
             param.grad = torch.zeros_like(param)
-        cls, args = recipe.transformer_optimizer if name == "transformer" else recipe.llm_optimizer
-        optimizer = cls(params, **args)
+        optimizer = (recipe.transformer_optimizer if name == "transformer" else recipe.llm_optimizer)(params)
         optimizer.step()
         optimizers.append(optimizer)
         losses.append(recipe.transformer_loss if name == "transformer" else recipe.llm_loss)

@@ -1,73 +1,41 @@
-"""What a plan needs from a recipe: the same YAML files ``fit`` reads (later files and dotted overrides
-win, as with LightningCLI), reduced to the generator, the refiner, the rollout, the losses, the
-optimizers, the step's sizes and the strategy. Keys keep their ``fit`` meaning and types: the rollout
-settings become a :class:`~unirl_pl.loops.RolloutConfig` and the loss settings an
-:class:`~unirl_pl.method.ExpertLoss`, so a key ``fit`` would reject is rejected here too."""
+"""What a plan needs from a recipe: the configuration ``fit`` would run with, reduced to the generator, the
+refiner, the rollout, the losses, the optimizers, the step's sizes and the strategy.
+
+The recipe is parsed by the CLI's own parser (:func:`unirl_pl.cli.parse_config`): the same ``--config`` files
+and dotted overrides (later wins), a key or a type ``fit`` would reject rejected in ``fit``'s words, and every
+key a recipe leaves out at its constructor's default, so no default is written here. What is read keeps its
+``fit`` type: the rollout settings become a :class:`~unirl_pl.loops.RolloutConfig`, the loss settings an
+:class:`~unirl_pl.method.ExpertLoss`, the algorithms and optimizers the classes the recipe names.
+"""
 
 from __future__ import annotations
 
-import copy
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
+import torch
 
-from unirl_pl.algorithms import FlowGRPO, TokenGRPO
+from unirl_pl.cli import parse_config
 from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.method import ExpertLoss
+
+# What ``model.transformer_optimizer`` / ``model.llm_optimizer`` is once parsed: the module's default (a
+# function of the parameters) or the class a recipe names with its init_args bound.
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 class RecipeError(ValueError):
     """A recipe the plan cannot read, worded for the user (the CLI prints it on one line)."""
 
 
-def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """``extra`` merged into a copy of ``base``: mappings merge key by key, anything else replaces."""
-    out = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def read_recipes(paths: list[str]) -> dict[str, Any]:
-    """The merged YAML of ``paths`` (later files win), raising :class:`RecipeError` naming a missing or
-    unreadable file."""
-    config: dict[str, Any] = {}
-    for path in paths:
-        file = Path(path)
-        if not file.is_file():
-            raise RecipeError(f"--config {path}: no such file")
-        try:
-            loaded = yaml.safe_load(file.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise RecipeError(f"{path}: not valid YAML ({getattr(err, 'problem', None) or err})") from None
-        if not isinstance(loaded, dict):
-            raise RecipeError(f"{path}: a recipe is a YAML mapping, got {type(loaded).__name__}")
-        config = merge(config, loaded)
-    return config
-
-
-def apply_override(config: dict[str, Any], key: str, value: str) -> None:
-    """Set dotted ``key`` (``model.rollout.micro_batch_size``) to the YAML value ``value`` in place; as on
-    the ``fit`` command line, a level's ``init_args`` may be skipped."""
-    node = config
-    parts = key.split(".")
-    for part in parts[:-1]:
-        if part not in node and isinstance(node.get("init_args"), dict):
-            node = node["init_args"]
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise RecipeError(f"--{key}: {part} is not a mapping in the recipe")
-    if parts[-1] not in node and isinstance(node.get("init_args"), dict):
-        node = node["init_args"]
-    node[parts[-1]] = yaml.safe_load(value)
+def parsed_recipe(args: list[str]) -> dict[str, Any]:
+    """The configuration ``fit`` builds from ``args`` (``--config`` files and dotted overrides, as on its command
+    line), defaults filled, as plain mappings; :class:`~unirl_pl.errors.ConfigError` when ``fit`` would refuse it."""
+    return parse_config(args).as_dict()
 
 
 def _args(node: Any) -> dict[str, Any]:
@@ -92,17 +60,17 @@ class StepRecipe:
 
     Args:
         generator_class: The generator's class (a ``FlowGenerator`` family).
-        generator_args: Its ``init_args`` (without ``pipeline_path``).
+        generator_args: Its ``init_args``, every one of them (without ``pipeline_path``).
         pipeline_path: The recipe's pipeline folder or hub id, if any.
-        llm_args: The refiner's ``init_args`` (None: no refiner).
+        llm_args: The refiner's ``init_args``, every one of them (None: no refiner).
         rollout: The rollout settings.
         mode: ``joint``, ``prompt_only`` or ``generator_only``.
         transformer_loss: The DiT's loss settings.
         llm_loss: The refiner's loss settings.
-        transformer_optimizer: The DiT optimizer's (class, init_args).
-        llm_optimizer: The refiner optimizer's (class, init_args).
-        generator_algorithm: How the DiT learns (``model.generator_algorithm``; FlowGRPO by default).
-        llm_algorithm: How the refiner learns (``model.llm_algorithm``; TokenGRPO by default).
+        transformer_optimizer: Builds the DiT's optimizer from its trained parameters.
+        llm_optimizer: Builds the refiner's optimizer from its trained parameters.
+        generator_algorithm: How the DiT learns (``model.generator_algorithm``).
+        llm_algorithm: How the refiner learns (``model.llm_algorithm``).
         prompts_per_step: Prompts per step over all ranks.
         layout: Samples per prompt, unrefined samples, images per refinement.
         devices: Ranks (``trainer.devices``, or ``--devices``).
@@ -119,8 +87,8 @@ class StepRecipe:
     mode: str
     transformer_loss: ExpertLoss
     llm_loss: ExpertLoss
-    transformer_optimizer: tuple[type, dict[str, Any]]
-    llm_optimizer: tuple[type, dict[str, Any]]
+    transformer_optimizer: OptimizerFactory
+    llm_optimizer: OptimizerFactory
     generator_algorithm: Any
     llm_algorithm: Any
     prompts_per_step: int
@@ -133,22 +101,14 @@ class StepRecipe:
     @property
     def gradient_checkpointing(self) -> bool:
         """The recipe's own ``model.generator.init_args.gradient_checkpointing``."""
-        return bool(self.generator_args.get("gradient_checkpointing", False))
+        return bool(self.generator_args["gradient_checkpointing"])
 
 
-def _optimizer(node: Any, default_lr: float) -> tuple[type, dict[str, Any]]:
-    if not isinstance(node, dict) or "class_path" not in node:
-        import torch
-
-        return torch.optim.AdamW, {"lr": default_lr}
-    return import_class(node["class_path"]), _args(node)
-
-
-def _algorithm(node: Any, default: type, key: str) -> Any:
-    """The algorithm a recipe names (``class_path`` and ``init_args``), or ``default()``."""
-    if not isinstance(node, dict) or "class_path" not in node:
-        return default()
-    return _build(import_class(node["class_path"]), _args(node), key)
+def _optimizer(node: Any) -> OptimizerFactory:
+    """The optimizer ``model.*_optimizer`` builds: the module's default function as parsed, or the named class."""
+    if callable(node):
+        return node
+    return functools.partial(import_class(node["class_path"]), **_args(node))
 
 
 def _build(factory: Callable[..., Any], args: dict[str, Any], key: str) -> Any:
@@ -158,69 +118,82 @@ def _build(factory: Callable[..., Any], args: dict[str, Any], key: str) -> Any:
         raise RecipeError(f"{key}: {err}") from None
 
 
+def _ranks(devices: Any) -> int:
+    """The ranks ``trainer.devices`` (or ``--devices``) gives a plan."""
+    if devices == "auto":
+        # Lightning's default: every device of the machine, which a plan made without the GPUs cannot count. One
+        # rank, as Lightning would give a one-GPU machine; --devices plans another count.
+        return 1
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise RecipeError(f"trainer.devices must be a positive number of ranks for a plan, got {devices!r}")
+    return devices
+
+
 def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecipe:
-    """Read a merged recipe into a :class:`StepRecipe`; ``devices`` overrides ``trainer.devices``."""
-    model = _args(config.get("model"))
-    data = _args(config.get("data"))
-    trainer = config.get("trainer") or {}
-    generator = model.get("generator")
-    if not isinstance(generator, dict) or "class_path" not in generator:
-        raise RecipeError(
-            "model.generator: plan needs a family generator (class_path SD3Generator, FluxGenerator or "
-            "WanGenerator); the default ComponentGenerator is built part by part and has no real-size config"
-        )
+    """Read a parsed recipe (:func:`parsed_recipe`) into a :class:`StepRecipe`; ``devices`` overrides
+    ``trainer.devices``."""
+    from unirl_pl.experts import TinyCausalLMExpert
     from unirl_pl.generators import FlowGenerator
 
+    model, data, trainer = _args(config["model"]), _args(config["data"]), config["trainer"]
+    if "generator" not in model:
+        raise RecipeError(
+            f"model: plan reads the RL module's settings (UniRLModule), not {config['model']['class_path']}'s"
+        )
+    generator = model["generator"]
     generator_class = import_class(generator["class_path"])
     if not (isinstance(generator_class, type) and issubclass(generator_class, FlowGenerator)):
-        raise RecipeError(f"model.generator: {generator['class_path']} is not a FlowGenerator family")
+        raise RecipeError(
+            "model.generator: plan needs a family generator (class_path SD3Generator, FluxGenerator or "
+            f"WanGenerator); {generator['class_path']} is built part by part and has no real-size config"
+        )
     generator_args = _args(generator)
-    pipeline_path = model.get("pipeline_path") or generator_args.pop("pipeline_path", None)
+    pipeline_path = model["pipeline_path"] or generator_args.pop("pipeline_path", None)
     generator_args.pop("pipeline_path", None)
-    llm = model.get("llm", {}) if "llm" in model else {}
-    llm_args = None if llm is None else _args(llm)
-    layout = _build(
-        GroupLayout,
-        {
-            "samples_per_prompt": data.get("samples_per_prompt", 4),
-            "num_skip_refinement": data.get("num_skip_refinement", 1),
-            "images_per_refinement": data.get("images_per_refinement", 1),
-        },
-        "data",
-    )
-    strategy = trainer.get("strategy")
-    strategy_name = strategy if isinstance(strategy, str) else (strategy or {}).get("class_path", "")
-    world = devices if devices is not None else trainer.get("devices", 1)
-    if not isinstance(world, int) or world < 1:
-        raise RecipeError(f"trainer.devices must be a positive number of ranks for a plan, got {world!r}")
+    llm = model["llm"]
+    if llm is not None and issubclass(import_class(llm["class_path"]), TinyCausalLMExpert):
+        raise RecipeError(
+            "model.llm: plan needs a pretrained refiner (CausalLMExpert and its pretrained_path) or null; "
+            f"{llm['class_path']} builds a test-bed LM of its own"
+        )
+    layout_keys = ("samples_per_prompt", "num_skip_refinement", "images_per_refinement")
+    layout = _build(GroupLayout, {name: data[name] for name in layout_keys}, "data")
+    strategy = trainer["strategy"]
+    strategy_name = strategy if isinstance(strategy, str) else strategy.get("class_path", "")
+    world = _ranks(devices if devices is not None else trainer["devices"])
     # The data module's own check, so a count fit refuses is refused here too (not an IndexError mid-trace).
     counts = ("prompts_per_step", "val_batch_size", "val_images_per_prompt")
-    _build(check_prompt_counts, {name: data[name] for name in counts if name in data}, "data")
-    prompts = data.get("prompts_per_step", 4)
+    _build(check_prompt_counts, {name: data[name] for name in counts}, "data")
+    prompts = data["prompts_per_step"]
     if prompts % world:
         raise RecipeError(f"data.prompts_per_step ({prompts}) must be divisible by the {world} ranks")
     return StepRecipe(
         generator_class=generator_class,
         generator_args=generator_args,
         pipeline_path=pipeline_path,
-        llm_args=llm_args,
-        rollout=_build(RolloutConfig, {**(model.get("rollout") or {})}, "model.rollout"),
-        mode=model.get("mode", "joint"),
-        transformer_loss=_build(
-            ExpertLoss, model.get("transformer_loss") or {"clip_eps": 1e-4, "beta": 0.004}, "model.transformer_loss"
-        ),
-        llm_loss=_build(ExpertLoss, model.get("llm_loss") or {}, "model.llm_loss"),
-        transformer_optimizer=_optimizer(model.get("transformer_optimizer"), 3e-4),
-        llm_optimizer=_optimizer(model.get("llm_optimizer"), 1e-3),
-        generator_algorithm=_algorithm(model.get("generator_algorithm"), FlowGRPO, "model.generator_algorithm"),
-        llm_algorithm=_algorithm(model.get("llm_algorithm"), TokenGRPO, "model.llm_algorithm"),
+        llm_args=None if llm is None else _args(llm),
+        rollout=_build(RolloutConfig, model["rollout"], "model.rollout"),
+        mode=model["mode"],
+        transformer_loss=_build(ExpertLoss, model["transformer_loss"], "model.transformer_loss"),
+        llm_loss=_build(ExpertLoss, model["llm_loss"], "model.llm_loss"),
+        transformer_optimizer=_optimizer(model["transformer_optimizer"]),
+        llm_optimizer=_optimizer(model["llm_optimizer"]),
+        generator_algorithm=_algorithm(model["generator_algorithm"], "model.generator_algorithm"),
+        llm_algorithm=_algorithm(model["llm_algorithm"], "model.llm_algorithm"),
         prompts_per_step=prompts,
         layout=layout,
         devices=world,
         fsdp="ModelParallelStrategy" in str(strategy_name),
-        reshard_after_forward=bool(model.get("reshard_after_forward", True)),
+        reshard_after_forward=bool(model["reshard_after_forward"]),
         rewards=_rewards(model),
     )
+
+
+def _algorithm(node: dict[str, Any], key: str) -> Any:
+    """The algorithm a recipe names (``class_path`` and ``init_args``; the module's default when it names none)."""
+    return _build(import_class(node["class_path"]), _args(node), key)
 
 
 def _rewards(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
