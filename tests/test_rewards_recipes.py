@@ -68,6 +68,17 @@ def tiny(tmp_path_factory) -> dict[str, str]:
     }
 
 
+def fit_cpu_block(recipe: Path, args: list[str], tmp_path: Path):
+    """``fit`` of ``recipe`` with its CPU block's arguments, writing under ``tmp_path``; the CLI object."""
+    outputs = [
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.callbacks.dirpath={tmp_path}/ckpt",
+        "--trainer.enable_model_summary=false",
+    ]
+    return main(["fit", "--config", str(recipe), *args, *outputs])
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("name, term", [("sd35_ocr", "ocr"), ("sd35_pickscore", "pickscore")])
 def test_recipe_runs_its_documented_cpu_block(tmp_path, tiny, name, term):
@@ -76,18 +87,7 @@ def test_recipe_runs_its_documented_cpu_block(tmp_path, tiny, name, term):
     recipe = ROOT / "recipes" / f"{name}.yaml"
     args = cpu_block(recipe, tiny)
     assert "--trainer.accelerator=cpu" in args and "--trainer.max_steps=2" in args
-    cli = main(
-        [
-            "fit",
-            "--config",
-            str(recipe),
-            *args,
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.callbacks.dirpath={tmp_path}/ckpt",
-            "--trainer.enable_model_summary=false",
-        ]
-    )
+    cli = fit_cpu_block(recipe, args, tmp_path)
     rows = read_metrics(cli)
     assert len(series(rows, f"reward/{term}")) == 2 and len(series(rows, f"reward/{term}_std")) == 2
     assert cli.model.ledger["transformer"] == 2 * 2, "2 steps, 2 updates per rollout (as Flow-GRPO)"
@@ -108,18 +108,7 @@ def test_geneval_recipe_sends_every_image_its_prompt_s_geneval_row(tmp_path, tin
         args = cpu_block(recipe, paths)
         assert "--trainer.accelerator=cpu" in args and "--trainer.max_steps=2" in args
         assert f"--data.prompts={prompts}" in args and any(server.url in a for a in args)
-        cli = main(
-            [
-                "fit",
-                "--config",
-                str(recipe),
-                *args,
-                f"--trainer.logger.init_args.save_dir={tmp_path}",
-                f"--trainer.default_root_dir={tmp_path}",
-                f"--trainer.callbacks.dirpath={tmp_path}/ckpt",
-                "--trainer.enable_model_summary=false",
-            ]
-        )
+        cli = fit_cpu_block(recipe, args, tmp_path)
     finally:
         server.close()
     assert not fake.mismatches, fake.mismatches[:3]
