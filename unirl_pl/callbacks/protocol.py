@@ -6,10 +6,18 @@ a user's own) can be gated, and one that does not is refused at setup with the m
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import lightning.pytorch as pl
-from torch import Tensor
+from torch import Tensor, nn
+
+if TYPE_CHECKING:  # names for the type checker only: a gate reads the module through these attributes
+    from unirl_pl.loops import ARDecode, DiffusionDenoise
+    from unirl_pl.method.loss_settings import ExpertLoss
+    from unirl_pl.records import Experience
+    from unirl_pl.versioning import VersionLedger
+
+LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]  # by expert: (recomputed, behavior, mask)
 
 
 class RecomputingModule(Protocol):
@@ -17,26 +25,26 @@ class RecomputingModule(Protocol):
 
     trained: list[str]
 
-    def recompute_logprobs(self, exp: Any) -> dict[str, tuple[Tensor, Tensor, Tensor]]: ...
+    def recompute_logprobs(self, exp: Experience) -> LogProbs: ...
 
-    def loss_settings(self, name: str) -> Any: ...
+    def loss_settings(self, name: str) -> ExpertLoss: ...
 
-    def experts(self) -> dict[str, Any]: ...
+    def experts(self) -> dict[str, nn.Module]: ...
 
 
 class SamplingModule(Protocol):
     """A module whose loops can be probed batched vs serially (what the interleave-parity gate runs)."""
 
-    ar_decode: Any
-    diffusion_denoise: Any
-    generator: Any
+    ar_decode: ARDecode | None
+    diffusion_denoise: DiffusionDenoise | None
+    generator: nn.Module
 
 
 class VersionedModule(Protocol):
     """A module with per-component weight versions (what the ledger gate checks)."""
 
     trained: list[str]
-    ledger: Any
+    ledger: VersionLedger
 
 
 def require(gate: pl.Callback, pl_module: pl.LightningModule, protocol: type) -> None:
@@ -50,7 +58,9 @@ def require(gate: pl.Callback, pl_module: pl.LightningModule, protocol: type) ->
         )
 
 
-def notify_policy_logprobs(trainer: pl.Trainer, pl_module: pl.LightningModule, exp: Any, logprobs: Any) -> None:
+def notify_policy_logprobs(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, exp: Experience, logprobs: LogProbs
+) -> None:
     """Call ``on_policy_logprobs(trainer, pl_module, exp, logprobs)`` on every callback that has it.
 
     The module calls this after its first training forward and before any optimizer step, with
