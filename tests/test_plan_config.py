@@ -109,9 +109,10 @@ def _assert_plans_fit_settings(recipe: StepRecipe, fit: dict[str, Any]) -> None:
 def test_plan_settings_are_fits_printed_config(names, capsys):
     args = _recipe_args(names)
     if len(names) == 1 and names[0] in NOT_PLANNED:
+        # An overlay or a test-bed recipe: plan refuses it, with the project's error (the whole check here).
         with pytest.raises((ConfigError, RecipeError)):
             step_recipe(parsed_recipe(args))
-        pytest.skip(f"plan refuses recipes/{names[0]}.yaml ({NOT_PLANNED[names[0]]})")
+        return
     _assert_plans_fit_settings(step_recipe(parsed_recipe(args)), _fit_config(args, capsys))
 
 
