@@ -73,13 +73,15 @@ def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
                     if status == 0:
                         release.wait(timeout=10)
                         return
-                    self.send_response(status)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
                 finally:
+                    # Leaves the count before the reply is sent: once the client has the reply it may send its
+                    # next request, which this thread must not still be counted beside.
                     with lock:
                         stats["in_flight"] -= 1
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
         server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         server.daemon_threads = True
