@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-# Expert name -> its folder under the output directory.
-ADAPTER_DIRS = {"llm": "llm", "transformer": "transformer"}
+from unirl_pl.card import Role
+
+# Expert role -> its folder under the output directory (named as the role's component, as always).
+ADAPTER_DIRS = {Role.REFINER: Role.REFINER, Role.GENERATOR: Role.GENERATOR}
 
 
 def export_adapters(module: Any, out_dir: str | Path) -> dict[str, Path]:

@@ -1,22 +1,47 @@
 """The card: which components a run has, which loops they drive, and which the chosen method needs.
 
-The unified card binds ``llm`` to ``ar_decode`` and ``transformer`` to ``diffusion_denoise``; a
+The unified card binds the refiner (component ``llm``) to the decode loop (``ar_decode``) and the
+generator (component ``transformer``) to the denoise loop (``diffusion_denoise``); a
 mixture-of-transformers card would bind one component to both loops, which the same structure
 allows (``shared_weight_components`` lists every component whose weights a loop runs).
+
+The rest of the package names components and loops only through :class:`Role` and :class:`Loop`. Their
+values are plain strings, the ones checkpoints, metrics and version ledgers have always used: a key that
+reaches a checkpoint stays a ``str`` (an enum member would be pickled as its class, which a
+``weights_only`` load refuses).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
-LOOPS = ("ar_decode", "diffusion_denoise")
+RoleName = Literal["llm", "transformer"]
+LoopName = Literal["ar_decode", "diffusion_denoise"]
+
+
+class Role:
+    """The two expert components of the unified card, by what they do."""
+
+    REFINER: Final = "llm"  # the causal LM that rewrites the prompt
+    GENERATOR: Final = "transformer"  # the flow transformer that draws the image
+
+
+class Loop:
+    """The loops a card can declare: autoregressive decoding and flow denoising."""
+
+    DECODE: Final = "ar_decode"
+    DENOISE: Final = "diffusion_denoise"
+
+
+LOOPS: tuple[LoopName, ...] = (Loop.DECODE, Loop.DENOISE)
 MODES = ("joint", "prompt_only", "generator_only")
 # Which loops each mode needs, and which loops' experts it trains. A loop the card declares but the mode
 # does not train still runs, frozen: the mode says what learns, the card says what the pipeline is.
 _MODE_LOOPS = {
-    "joint": ({"ar_decode", "diffusion_denoise"}, {"ar_decode", "diffusion_denoise"}),
-    "prompt_only": ({"ar_decode", "diffusion_denoise"}, {"ar_decode"}),
-    "generator_only": ({"diffusion_denoise"}, {"diffusion_denoise"}),
+    "joint": ({Loop.DECODE, Loop.DENOISE}, {Loop.DECODE, Loop.DENOISE}),
+    "prompt_only": ({Loop.DECODE, Loop.DENOISE}, {Loop.DECODE}),
+    "generator_only": ({Loop.DENOISE}, {Loop.DENOISE}),
 }
 
 
@@ -38,11 +63,11 @@ class Card:
     @classmethod
     def unified(cls, *, has_llm: bool = True, has_vae: bool = True) -> Card:
         """The two-expert card of UniRL-Zero / PromptRL: a refiner LM and a flow DiT, plus frozen parts."""
-        components = {"transformer": "expert", "text_encoder": "frozen"}
-        loops: dict[str, list[str]] = {"diffusion_denoise": ["transformer"]}
+        components = {Role.GENERATOR: "expert", "text_encoder": "frozen"}
+        loops: dict[str, list[str]] = {Loop.DENOISE: [Role.GENERATOR]}
         if has_llm:
-            components["llm"] = "expert"
-            loops["ar_decode"] = ["llm"]
+            components[Role.REFINER] = "expert"
+            loops[Loop.DECODE] = [Role.REFINER]
         if has_vae:
             components["vae"] = "frozen"
         return cls(components=components, loops=loops)

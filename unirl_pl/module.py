@@ -22,7 +22,7 @@ from torch import Tensor
 from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
 from unirl_pl.callbacks.ema import EMA
-from unirl_pl.card import Card
+from unirl_pl.card import Card, Loop, Role
 from unirl_pl.checkpoint import load_run_state, save_run_state
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
@@ -163,8 +163,8 @@ class UniRLModule(pl.LightningModule):
         )
         self.nonfinite_rewards = nonfinite_rewards
         self.val_metrics = ValidationMetrics(validation_keys(self.reward_fn))  # the val/* scores, summed over ranks
-        self.optimizer_factories = {"llm": llm_optimizer, "transformer": transformer_optimizer}
-        self.losses = {"llm": llm_loss, "transformer": transformer_loss}
+        self.optimizer_factories = {Role.REFINER: llm_optimizer, Role.GENERATOR: transformer_optimizer}
+        self.losses = {Role.REFINER: llm_loss, Role.GENERATOR: transformer_loss}
         self.generator_algorithm, self.llm_algorithm = generator_algorithm, llm_algorithm
         self.ppo_epochs, self.on_stale, self.reshard_after_forward = ppo_epochs, on_stale, reshard_after_forward
         self.max_consecutive_skips, self.skipped_steps, self.consecutive_skips = max_consecutive_skips, 0, 0
@@ -186,7 +186,7 @@ class UniRLModule(pl.LightningModule):
     # ------------------------------------------------------------------ building
     def experts(self) -> dict[str, Any]:
         """The card's expert components that are present, by name."""
-        parts = {"llm": self.llm, "transformer": self.generator.expert}
+        parts = {Role.REFINER: self.llm, Role.GENERATOR: self.generator.expert}
         return {name: part for name, part in parts.items() if part is not None}
 
     def configure_model(self) -> None:
@@ -205,7 +205,7 @@ class UniRLModule(pl.LightningModule):
             # ModelParallelStrategy loads module weights straight from the file, before
             # on_load_checkpoint can refill the trimmed frozen weights that configure_model rebuilt.
             self.strict_loading = False
-        runs_lm = self.llm is not None and self.card.runs_loop(self.mode, "ar_decode")
+        runs_lm = self.llm is not None and self.card.runs_loop(self.mode, Loop.DECODE)
         self.ar_decode = ARDecode(self.llm, self.rollout_config) if runs_lm else None
         self.diffusion_denoise = DiffusionDenoise(self.generator, self.rollout_config, self.generator_algorithm)
         self.eval_denoise = (
@@ -227,8 +227,8 @@ class UniRLModule(pl.LightningModule):
             refiner_groups=self.llm_algorithm.train_groups,
             refiner_rewards=self.llm_algorithm.shape_rewards,
         )
-        loops = {"diffusion_denoise": self.diffusion_denoise} | ({"ar_decode": self.ar_decode} if runs_lm else {})
-        algorithms = {"diffusion_denoise": self.generator_algorithm, "ar_decode": self.llm_algorithm}
+        loops = {Loop.DENOISE: self.diffusion_denoise} | ({Loop.DECODE: self.ar_decode} if runs_lm else {})
+        algorithms = {Loop.DENOISE: self.generator_algorithm, Loop.DECODE: self.llm_algorithm}
         algorithms = {loop: algorithms[loop] for loop in loops}
         experts = self.experts()
         for loop, algorithm in algorithms.items():

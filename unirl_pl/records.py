@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 
 from torch import Tensor
 
+from unirl_pl.card import Loop
+
 Cond = dict[str, Tensor]
 """A generator's conditioning: named tensors with the batch on dim 0 (e.g. ``hidden``, ``pooled``)."""
 
@@ -239,6 +241,6 @@ class Experience:
     @property
     def lm(self) -> LMRecord | None:
         """The ``ar_decode`` record, if training captured one."""
-        record = self.records.get("ar_decode")
+        record = self.records.get(Loop.DECODE)
         assert record is None or isinstance(record, LMRecord)
         return record

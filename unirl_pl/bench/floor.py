@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from unirl_pl.bench.record import clock
+from unirl_pl.card import Role
 
 
 def _positions(mask: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,8 @@ class Floor:
 
         self.cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         self.params = {
-            name: [p for p in model.experts()[name].parameters() if p.requires_grad] for name in ("llm", "transformer")
+            name: [p for p in model.experts()[name].parameters() if p.requires_grad]
+            for name in (Role.REFINER, Role.GENERATOR)
         }
         self.opts = {name: model.optimizer_factories[name](ps) for name, ps in self.params.items()}
         self.generator = torch.Generator().manual_seed(seed)
@@ -210,7 +212,7 @@ class Floor:
             lap("advantages")
 
         # ---- LM: teacher-forced forward, reference forward, GRPO token loss, backward
-        lm_set = self.model.losses["llm"]
+        lm_set = self.model.losses[Role.REFINER]
         full = torch.cat([ids, gen], 1)
         fpos = _positions(mask)
 
@@ -236,7 +238,7 @@ class Floor:
         lap("lm_backward")
 
         # ---- DiT: per SDE step forward, reference forward, Flow-GRPO loss, backward per step
-        dit_set = self.model.losses["transformer"]
+        dit_set = self.model.losses[Role.GENERATOR]
         steps = len(prev)
         for j in range(steps):
             i = w0 + j

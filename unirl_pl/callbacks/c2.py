@@ -32,6 +32,7 @@ import torch
 
 from unirl_pl import timing
 from unirl_pl.callbacks.protocol import RecomputingModule, require
+from unirl_pl.card import Role
 from unirl_pl.losses import k3_kl
 from unirl_pl.metrics import rollout_correction_metrics
 from unirl_pl.records import Experience
@@ -115,7 +116,7 @@ class LogProbIdentityCheck(pl.Callback):
         mean_tolerance: float | None = None,
         k3_tolerance: float | None = None,
         action: Action | None = None,
-        exact: tuple[str, ...] = ("transformer",),
+        exact: tuple[str, ...] = (Role.GENERATOR,),
         precision: Precision = "auto",
         every_n_steps: int = 1,
         corrected_kl_tolerance: float | None = CORRECTED_KL_TOLERANCE,

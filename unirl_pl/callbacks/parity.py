@@ -20,6 +20,7 @@ from torch import Tensor
 
 from unirl_pl import timing
 from unirl_pl.callbacks.protocol import SamplingModule, require
+from unirl_pl.card import Loop, Role
 from unirl_pl.records import cond_rows
 
 # Probe requests get their own id, far from training (>= 0) and evaluation (-1, -2, ...) ids.
@@ -162,7 +163,7 @@ class InterleaveParityCheck(pl.Callback):
     @torch.no_grad()
     def check(self, pl_module: pl.LightningModule, step: int = 0) -> ParityReport:
         """Probe batched vs serial in every profile; raise (or warn) on a divergence or an empty probe."""
-        denoise = getattr(pl_module, "diffusion_denoise", None)
+        denoise = getattr(pl_module, Loop.DENOISE, None)
         if denoise is None:
             raise InterleaveParityError("interleave parity: the module has no loops (configure_model not run)")
         report = ParityReport()
@@ -203,7 +204,7 @@ class InterleaveParityCheck(pl.Callback):
             where = f"llm/{profile} request {i}"
             report.tokens(where, batched.gen_ids[i][b_live], alone.gen_ids[0][s_live])
             b_logp, s_logp = batched.old_logp[i][b_live], alone.old_logp[0][s_live]
-            report.values(f"{where} log-probs", "llm", b_logp, s_logp, self.tolerance)
+            report.values(f"{where} log-probs", Role.REFINER, b_logp, s_logp, self.tolerance)
 
     def _compare_dit(self, generator: Any, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
         ids, idx = self._requests()
@@ -221,11 +222,11 @@ class InterleaveParityCheck(pl.Callback):
                 cond_rows(cond, sl), ids[sl], idx[sl], profile, seed=PROBE_SEED, uncond=uncond, num_steps=counts[sl]
             )
             where = f"transformer/{profile} request {i} ({counts[i]} steps)"
-            report.values(f"{where} latents", "transformer", lat_b[sl], lat_s, self.tolerance)
+            report.values(f"{where} latents", Role.GENERATOR, lat_b[sl], lat_s, self.tolerance)
             report.values(f"{where} images", "images", img_b[sl], generator.decode(lat_s), self.tolerance)
             if (rec_b is None) != (rec_s is None):
                 report.failures.append(f"{where}: only one side captured a behavior record")
             elif rec_b is not None and rec_s is not None:
                 serial = rec_s.behavior()
                 for name, b_val in rec_b.behavior().items():
-                    report.values(f"{where} record.{name}", "transformer", b_val[sl], serial[name], self.tolerance)
+                    report.values(f"{where} record.{name}", Role.GENERATOR, b_val[sl], serial[name], self.tolerance)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from unirl_pl import timing
+from unirl_pl.card import Loop
 from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.experts.chat import fallback_fraction
@@ -125,9 +126,9 @@ class ExperienceSource:
                 [texts[i] for i in rows],
                 req,
                 idx,
-                self._profile("ar_decode"),
+                self._profile(Loop.DECODE),
                 seed=batch.seed,
-                version=self.ledger[self.owners["ar_decode"]],
+                version=self.ledger[self.owners[Loop.DECODE]],
             )
         refined = list(texts)
         for i, text in zip(rows, refined_rows, strict=True):
@@ -161,9 +162,9 @@ class ExperienceSource:
                 cond,
                 [batch.request_ids[t // k] for t in img_text.tolist()],
                 layout.image_sample_index(p),
-                self._profile("diffusion_denoise"),
+                self._profile(Loop.DENOISE),
                 seed=batch.seed,
-                version=self.ledger[self.owners["diffusion_denoise"]],
+                version=self.ledger[self.owners[Loop.DENOISE]],
                 uncond=uncond,
             )
         originals = [batch.prompts[t // k] for t in img_text.tolist()]
@@ -182,27 +183,27 @@ class ExperienceSource:
                 self.batch_std,
                 drop_nonfinite=self.drop_nonfinite,
             )
-        advantages = {"diffusion_denoise": image_adv.to(device)}
+        advantages = {Loop.DENOISE: image_adv.to(device)}
         if rows:
             shaped = None
             if self.refiner_rewards is not None and lm_record is not None:
                 shaped = self.refiner_rewards(text_rewards, lm_record)
             if shaped is not None:  # the refiner's own advantages; image_adv (maybe the same tensor) is kept
                 text_adv = text_advantages(shaped, layout, p, self.advantages, self.batch_std, dropped)
-            advantages["ar_decode"] = text_adv[rows].to(device)
+            advantages[Loop.DECODE] = text_adv[rows].to(device)
         records: dict = {}
-        if lm_record is not None and self.trained.get("ar_decode"):
-            records["ar_decode"], advantages["ar_decode"] = self._refiner_rows(
-                lm_record, advantages["ar_decode"], text_rewards, layout.text_prompt(p)
+        if lm_record is not None and self.trained.get(Loop.DECODE):
+            records[Loop.DECODE], advantages[Loop.DECODE] = self._refiner_rows(
+                lm_record, advantages[Loop.DECODE], text_rewards, layout.text_prompt(p)
             )
         if dit_record is not None:
-            records["diffusion_denoise"] = dit_record
+            records[Loop.DENOISE] = dit_record
         # Each record row's prompt group, by its request id: mini-batches keep groups whole.
         image_requests = torch.as_tensor([batch.request_ids[t // k] for t in img_text.tolist()], dtype=torch.long)
-        row_requests = {"diffusion_denoise": image_requests}
-        if "ar_decode" in records:
+        row_requests = {Loop.DENOISE: image_requests}
+        if Loop.DECODE in records:
             text_requests = torch.as_tensor(batch.request_ids, dtype=torch.long).repeat_interleave(k)
-            row_requests["ar_decode"] = text_requests[records["ar_decode"].rows]
+            row_requests[Loop.DECODE] = text_requests[records[Loop.DECODE].rows]
         fell_back = lm_record.fell_back if lm_record is not None else []
         return Experience(
             prompts=originals,

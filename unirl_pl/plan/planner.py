@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from unirl_pl.card import Card
+from unirl_pl.card import Card, Loop, Role
 from unirl_pl.distributed import shard_experts
 from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
@@ -135,7 +135,7 @@ def build_experts(
 
 def expert_groups(experts: FakeExperts) -> dict[str, list[torch.nn.Module]]:
     """The models of each card expert: ``transformer`` (every generator transformer) and ``llm``."""
-    return {"transformer": experts.transformers(), "llm": [experts.llm] if experts.llm is not None else []}
+    return {Role.GENERATOR: experts.transformers(), Role.REFINER: [experts.llm] if experts.llm is not None else []}
 
 
 def freeze_untrained(experts: FakeExperts, trained: list[str]) -> None:
@@ -165,9 +165,9 @@ def fake_ranks(world: int) -> Iterator[Any]:
 def shard(experts: FakeExperts, trained: list[str], mesh: Any, reshard_after_forward: bool) -> None:
     """FSDP2 as a fit applies it: ``distributed.shard_experts`` on the trained experts (every generator
     transformer, the refiner LM); frozen parts stay whole on every rank."""
-    parts = {"transformer": SimpleNamespace(transformers=experts.transformers())}
+    parts = {Role.GENERATOR: SimpleNamespace(transformers=experts.transformers())}
     if experts.llm is not None:
-        parts["llm"] = experts.llm
+        parts[Role.REFINER] = experts.llm
     shard_experts(parts, trained, mesh, reshard_after_forward)
 
 
@@ -184,10 +184,10 @@ def steady_state(
         params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
         for param in params:
             param.grad = torch.zeros_like(param)
-        optimizer = (recipe.transformer_optimizer if name == "transformer" else recipe.llm_optimizer)(params)
+        optimizer = (recipe.transformer_optimizer if name == Role.GENERATOR else recipe.llm_optimizer)(params)
         optimizer.step()
         optimizers.append(optimizer)
-        losses.append(recipe.transformer_loss if name == "transformer" else recipe.llm_loss)
+        losses.append(recipe.transformer_loss if name == Role.GENERATOR else recipe.llm_loss)
     return optimizers, losses
 
 
@@ -214,7 +214,7 @@ def plan_step(
     experts.reward_models = reward_models(rewards)
     card = Card.unified(has_llm=experts.llm is not None, has_vae=True)
     trained = card.trained_components(recipe.mode)
-    refines = experts.llm is not None and card.runs_loop(recipe.mode, "ar_decode")
+    refines = experts.llm is not None and card.runs_loop(recipe.mode, Loop.DECODE)
     sizes = step_sizes(recipe, refines, prompt_tokens)
     recipe_mb = recipe.rollout.micro_batch_size or sizes.images
     sharded = recipe.fsdp and recipe.devices > 1
@@ -226,7 +226,7 @@ def plan_step(
         sizes=sizes,
         configs={
             "generator": config_summary(experts.pipeline_folder),
-            **({"llm": config_summary(experts.llm_folder)} if experts.llm_folder else {}),
+            **({Role.REFINER: config_summary(experts.llm_folder)} if experts.llm_folder else {}),
         },
         recipe_setting=(recipe_mb, recipe.gradient_checkpointing),
         lm_micro_batch=recipe.rollout.lm_micro_batch_size,
@@ -292,12 +292,12 @@ def _fixed_phases(
         with tracer.tracking("lm_decode", cache) as t:
             phases.lm_decode(experts.llm, sizes.refined, sizes.prompt_tokens, sizes.new_tokens)
         found["usage"]["lm_decode"] = t.peak()
-    lm_record = {"lm_record"} if "llm" in trained else set()
+    lm_record = {"lm_record"} if Role.REFINER in trained else set()
     resident = experience(sizes, generator.latent_shape, cond_rows, None, {"cache"} | lm_record)
     with tracer.tracking("text_encode", resident) as t:
         phases.text_encode(generator, sizes.encode_batch)
     found["usage"]["text_encode"] = t.peak()
-    parts = {"cache", "cond", "latents"} | lm_record | ({"record"} if "transformer" in trained else set())
+    parts = {"cache", "cond", "latents"} | lm_record | ({"record"} if Role.GENERATOR in trained else set())
     resident = experience(sizes, generator.latent_shape, cond_rows, None, parts)
     with tracer.tracking("vae_decode", resident) as t:
         pixels = phases.vae_decode(generator, resident["latents"])
@@ -313,7 +313,7 @@ def _fixed_phases(
         with tracer.tracking("reward", resident) as t:
             score(rewards, resident["images"], prompts)
         found["usage"]["reward"] = t.peak()
-    if "llm" in trained and "transformer" not in trained:
+    if Role.REFINER in trained and Role.GENERATOR not in trained:
         # prompt_only: the refiner's update is the whole training step.
         resident = experience(sizes, generator.latent_shape, cond_rows, found["pixel_row"], parts | {"images"})
         with tracer.tracking("lm_update", resident) as t:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from unirl_pl.card import Role
 from unirl_pl.cli import parse_config
 from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.loops import RolloutConfig
@@ -152,7 +153,7 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
     generator_args = _args(generator)
     pipeline_path = model["pipeline_path"] or generator_args.pop("pipeline_path", None)
     generator_args.pop("pipeline_path", None)
-    llm = model["llm"]
+    llm = model[Role.REFINER]
     if llm is not None and issubclass(import_class(llm["class_path"]), TinyCausalLMExpert):
         raise RecipeError(
             "model.llm: plan needs a pretrained refiner (CausalLMExpert and its pretrained_path) or null; "

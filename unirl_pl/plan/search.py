@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from unirl_pl.card import Role
 from unirl_pl.loops import DiffusionDenoise
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import FakeExperts
@@ -80,8 +81,8 @@ class MicroBatchSearch:
         self.held_lm_graph = 0
         self.lm_update: Usage | None = None
         shape, rows = experts.generator.latent_shape, fixed["cond_rows"]
-        self.dit_trained = "transformer" in trained
-        base = {"cache", "cond"} | ({"lm_record"} if "llm" in trained else set())
+        self.dit_trained = Role.GENERATOR in trained
+        base = {"cache", "cond"} | ({"lm_record"} if Role.REFINER in trained else set())
         base |= {"record"} if self.dit_trained else set()
         self.rollout_resident = experience(sizes, shape, rows, None, base)
         self.train_resident = experience(sizes, shape, rows, fixed["pixel_row"], base | {"images"})
@@ -121,7 +122,7 @@ class MicroBatchSearch:
                 cond,
                 uncond if self.guided else None,
             )
-            lm_trained = "llm" in self.trained
+            lm_trained = Role.REFINER in self.trained
             again = self.lm_update is not None
             with self.tracer.tracking(f"train step ({tag})", resident) as t:
                 held = train_step(
