@@ -74,7 +74,6 @@ def _policy(settings: ExpertLoss) -> tuple[PolicyLosses, _Recorder, Experience]:
         text_rewards=torch.zeros(4),
         records={"ar_decode": record},
         advantages={"ar_decode": torch.zeros(4)},
-        reward_terms={},
         zero_std_frac=0.0,
         row_requests={"ar_decode": torch.arange(4)},
     )

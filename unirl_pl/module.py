@@ -36,7 +36,7 @@ from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.method.policy import PolicyLosses, Rows
 from unirl_pl.method.update import PolicyUpdate
-from unirl_pl.metrics import log_step, rollout_metrics, update_metrics
+from unirl_pl.metrics import RewardStatistics, log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import WeightedSum, registered_rewards
 from unirl_pl.rewards.metadata import WithMetadata
@@ -163,6 +163,7 @@ class UniRLModule(pl.LightningModule):
         )
         self.nonfinite_rewards = nonfinite_rewards
         self.val_metrics = ValidationMetrics(validation_keys(self.reward_fn))  # the val/* scores, summed over ranks
+        self.reward_stats = RewardStatistics()  # the training rewards' reward/* statistics, pooled over ranks
         self.optimizer_factories = {Role.REFINER: llm_optimizer, Role.GENERATOR: transformer_optimizer}
         self.losses = {Role.REFINER: llm_loss, Role.GENERATOR: transformer_loss}
         self.generator_algorithm, self.llm_algorithm = generator_algorithm, llm_algorithm
@@ -315,17 +316,20 @@ class UniRLModule(pl.LightningModule):
                 metrics.update(update_metrics(name, done))
         versions = self.ledger.as_dict()
         records = self.policy.rollout_metrics(exp)
-        metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), records))
-        metrics["train/skipped_steps"] = float(self.skipped_steps)
         with timing.phase("logging"):
-            log_step(self.trainer, metrics, step, self.device)
+            self.reward_stats.update(exp)
+            rewards = self.reward_stats.compute()  # the same on every rank: gathered and pooled
+            self.reward_stats.reset()
+            metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), rewards, records))
+            metrics["train/skipped_steps"] = float(self.skipped_steps)
+            log_step(self.trainer, metrics, step, self.device, pooled=rewards)
+            one_rank = self.trainer.world_size == 1
             self.log(
                 "reward/mean",
-                exp.rewards.nanmean(),
+                exp.rewards.nanmean() if one_rank else torch.tensor(rewards["reward/mean"], dtype=torch.float32),
                 prog_bar=True,
                 on_step=True,
                 batch_size=len(exp.prompts),
-                sync_dist=True,
             )
 
     def position_label(self, name: str) -> str:

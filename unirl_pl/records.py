@@ -214,7 +214,8 @@ class Experience:
     text sample, of P*K, the image renders) and ``rewards``; per text sample ``text_rewards`` (mean of its
     images). ``records`` and ``advantages`` are keyed by loop: ``ar_decode`` (the refined rows, in
     ``LMRecord.rows`` order) and ``diffusion_denoise`` (every image); a record is absent when its loop did
-    not run or its experts are frozen. ``reward_terms`` holds each weighted reward's raw mean for logging;
+    not run or its experts are frozen. ``reward_parts`` holds each weighted reward's raw values (N,) for
+    the logged statistics (with ``count_unscored`` also each term's fraction of samples it gave no number);
     ``dropped`` counts samples whose non-finite reward was dropped (their ``rewards`` entry is NaN, their
     advantage 0). ``image_advantages`` (N,) is every image sample's advantage, whether or not the generator
     trains. ``seed`` is the step's sampling seed and ``row_requests`` (per loop, one per record row) the
@@ -229,13 +230,14 @@ class Experience:
     text_rewards: Tensor
     records: dict[str, LMRecord | DiTRecord | FlowPointsRecord]
     advantages: dict[str, Tensor]
-    reward_terms: dict[str, float]
     zero_std_frac: float
     images: Tensor | None = None
     fallback_frac: float | None = None
     dropped: int = 0
     image_advantages: Tensor | None = None
     seed: int = 0
+    reward_parts: dict[str, Tensor] = field(default_factory=dict)
+    count_unscored: bool = False
     row_requests: dict[str, Tensor] = field(default_factory=dict)
 
     @property

@@ -25,7 +25,6 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages, text_advantages
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
-from unirl_pl.rewards.builtin import term_stats
 from unirl_pl.rewards.metadata import Metadata, accepts_metadata
 from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
 from unirl_pl.versioning import VersionLedger
@@ -214,7 +213,8 @@ class ExperienceSource:
             text_rewards=text_rewards.to(device),
             records=records,
             advantages=advantages,
-            reward_terms=term_stats(parts, unscored=self.drop_nonfinite),
+            reward_parts=dict(parts),
+            count_unscored=self.drop_nonfinite,
             zero_std_frac=zero_std_fraction(text_rewards, layout.text_prompt(p)),
             images=images,
             fallback_frac=fallback_fraction(fell_back) if fell_back else None,  # no refinements: no metric
