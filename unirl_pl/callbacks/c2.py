@@ -32,6 +32,7 @@ import torch
 
 from unirl_pl import timing
 from unirl_pl.callbacks.protocol import RecomputingModule, require
+from unirl_pl.callbacks.summary import log_gate_metrics
 from unirl_pl.card import Role
 from unirl_pl.losses import k3_kl
 from unirl_pl.metrics import rollout_correction_metrics
@@ -161,10 +162,9 @@ class LogProbIdentityCheck(pl.Callback):
         metrics = {f"c2/{name}_{k}": v for name, (stats, _) in measured.items() for k, v in stats.items()}
         for name, stats in self.corrections.items():
             metrics |= rollout_correction_metrics(name, stats)
-        # Straight to the loggers: within an epoch Lightning re-emits a self.log step metric on every later
-        # step, which with every_n_steps > 1 would show checks that never ran.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        # Straight to the loggers (and the RunSummary): within an epoch Lightning re-emits a self.log step
+        # metric on every later step, which with every_n_steps > 1 would show checks that never ran.
+        log_gate_metrics(trainer, metrics, trainer.global_step)
         self.enforce(pl_module, batch, measured, trainer.global_step)
 
     def check(self, pl_module: pl.LightningModule, batch: Experience, step: int = 0) -> dict[str, dict[str, float]]:

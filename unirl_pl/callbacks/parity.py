@@ -20,6 +20,7 @@ from torch import Tensor
 
 from unirl_pl import timing
 from unirl_pl.callbacks.protocol import SamplingModule, require
+from unirl_pl.callbacks.summary import log_gate_metrics
 from unirl_pl.card import Loop, Role
 from unirl_pl.records import cond_rows
 
@@ -153,10 +154,9 @@ class InterleaveParityCheck(pl.Callback):
         self._checked_at = trainer.global_step
         metrics = {"parity/max_abs_diff": report.max_abs_diff}
         metrics.update({f"parity/{k}_max_abs_diff": v for k, v in report.diffs.items()})
-        # Straight to the loggers: self.log is refused in on_fit_start, and within an epoch Lightning
-        # re-emits a step metric on every later step, which would show checks that never ran.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        # Straight to the loggers (and the RunSummary): self.log is refused in on_fit_start, and within an
+        # epoch Lightning re-emits a step metric on every later step, which would show checks that never ran.
+        log_gate_metrics(trainer, metrics, trainer.global_step)
 
     # ------------------------------------------------------------------ the check
     @timing.timed("gate_parity", opaque=True)

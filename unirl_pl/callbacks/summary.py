@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import math
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image, ImageDraw, ImageFont
 
-from unirl_pl.callbacks.writer import LINE_H, ValidationImages, add_image_to_tensorboard
+from unirl_pl.callbacks.writer import LINE_H, ValidationImages, log_image
 
 TRAIN_KEY, VAL_KEY = "reward/mean", "val/reward_mean"
 GATE_PREFIXES = ("c2/", "parity/")
@@ -28,16 +27,24 @@ def metrics_csv(trainer: pl.Trainer) -> Path | None:
     return None
 
 
-def read_series(path: Path) -> Series:
-    """Every metric of a Lightning ``metrics.csv`` as ``key -> [(step, value), ...]`` (empty cells skipped)."""
-    series: Series = {}
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                if key not in ("step", "epoch") and value not in ("", None):
-                    series.setdefault(key, []).append((step, float(value)))
-    return series
+def is_gate_key(key: str) -> bool:
+    """Whether the summary shows ``key``'s worst value: a gate's ``c2/*max_abs_diff`` or ``parity/*max_abs_diff``."""
+    return key.startswith(GATE_PREFIXES) and key.endswith("max_abs_diff")
+
+
+def log_gate_metrics(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """A gate's metrics straight to every logger, and its ``*max_abs_diff`` values to the ``RunSummary``.
+
+    Straight, not ``self.log``: ``self.log`` is refused in ``on_fit_start`` (where the parity gate first
+    runs), and within an epoch Lightning re-emits a step metric on every later step, which would show
+    checks that never ran. So the values never reach ``trainer.callback_metrics``, and the summary, which
+    must not depend on which logger is attached, is handed them here.
+    """
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+    for callback in trainer.callbacks:
+        if isinstance(callback, RunSummary):
+            callback.record_gates(metrics, step)
 
 
 def reward_curve(
@@ -160,12 +167,12 @@ class RunSummary(pl.Callback):
     validation reward before RL (the sanity check's, when it ran; it says how many batches it scored
     when that is fewer than a full validation) and after the first and last validations; the worst
     (largest) ``c2/*_max_abs_diff`` and ``parity/*_max_abs_diff`` the gates logged; the paths of
-    ``metrics.csv``, the checkpoints (named for what they are: ``last``, ``newest``, and ``best`` only
-    when a metric is monitored), the validation image grids and the reward curve. Metrics are read from
-    the ``CSVLogger``'s ``metrics.csv`` (the gates log there directly); without one, only the rewards
-    the module logged are shown. ``reward_curve.png`` (training and validation reward against the step,
-    from the validation before RL) goes into the logger's version folder, and to TensorBoard when a
-    ``TensorBoardLogger`` is attached.
+    ``metrics.csv`` (with a ``CSVLogger``), the checkpoints (named for what they are: ``last``, ``newest``,
+    and ``best`` only when a metric is monitored), the validation image grids and the reward curve. The
+    values are collected during the run (the rewards from ``trainer.callback_metrics``, the gates' from
+    :func:`log_gate_metrics`), so the table is the same under any logger or none. ``reward_curve.png``
+    (training and validation reward against the step, from the validation before RL) goes into the
+    logger's version folder, and to TensorBoard, W&B or MLflow when such a logger is attached.
 
     Args:
         window: Steps averaged at the start and at the end of the run.
@@ -180,6 +187,7 @@ class RunSummary(pl.Callback):
         self.curve_path: Path | None = None
         self.log_dir = Path(".")  # the logger's version folder, set in setup()
         self._seen: Series = {}
+        self._gates: Series = {}  # the gates' *max_abs_diff values by key, as log_gate_metrics hands them over
         # The sanity check's validation reward: (step, value, batches scored, batches of a full validation).
         self._before: tuple[int, float, int, int] | None = None
         self._start: tuple[float, int] | None = None
@@ -189,6 +197,9 @@ class RunSummary(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Here, on every rank: trainer.log_dir is a collective (a broadcast), never to be read on rank 0 alone.
         self.log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        if stage == "fit":
+            # Here, not in on_fit_start: a gate may report in its own on_fit_start, which can run before ours.
+            self._gates = {}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._before = None  # the sanity check runs after this hook and before on_train_start
@@ -203,6 +214,12 @@ class RunSummary(pl.Callback):
         value = trainer.callback_metrics.get(key)
         if value is not None:
             self._seen.setdefault(key, []).append((step, float(value)))
+
+    def record_gates(self, metrics: dict[str, float], step: int) -> None:
+        """Keep the gate values among ``metrics`` (logged at ``step``) for the table."""
+        for key, value in metrics.items():
+            if is_gate_key(key):
+                self._gates.setdefault(key, []).append((step, float(value)))
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # As metrics.csv steps it: the reward of the rollout made after `step` updates.
@@ -226,11 +243,10 @@ class RunSummary(pl.Callback):
         if not trainer.is_global_zero:
             return
         for logger in trainer.loggers:
-            logger.save()  # the CSV logger buffers rows; the gates' rows must be in the file
+            logger.save()  # the CSV logger buffers rows: the metrics.csv the table names is complete from here
         path = metrics_csv(trainer)
-        series = read_series(path) if path is not None and path.is_file() else dict(self._seen)
         # Validation by the step whose weights it scored (the x of images/val_step<N>.png).
-        series[VAL_KEY] = self._seen.get(VAL_KEY, [])
+        series = {**self._seen, **self._gates, VAL_KEY: self._seen.get(VAL_KEY, [])}
         train, val = series.get(TRAIN_KEY, []), series[VAL_KEY]
         log_dir = self.log_dir
         before = self._before[:2] if self._before is not None else None
@@ -239,7 +255,7 @@ class RunSummary(pl.Callback):
             log_dir.mkdir(parents=True, exist_ok=True)
             self.curve_path = log_dir / "reward_curve.png"
             image.save(self.curve_path)
-            add_image_to_tensorboard(trainer, "reward_curve", image, trainer.global_step)
+            log_image(trainer, "reward_curve", image, trainer.global_step)
         self.table = self._table(trainer, series, path)
         bar = trainer.progress_bar_callback
         if isinstance(bar, RichProgressBar):
@@ -271,14 +287,12 @@ class RunSummary(pl.Callback):
         val_text = validation_text(self._before, series.get(VAL_KEY, []))
         if val_text:
             table.add_row(VAL_KEY, val_text)
-        gates = sorted(k for k in series if k.startswith(GATE_PREFIXES) and k.endswith("max_abs_diff"))
+        gates = sorted(k for k in series if is_gate_key(k))
         for key in gates:
             worst = max(series[key], key=lambda sv: sv[1])
             checks = len(series[key])
             table.add_row(key, f"{worst[1]:.3g} worst (step {worst[0]}, {checks} check{'s' * (checks != 1)})")
-        if path is None:
-            table.add_row("metrics", "no CSVLogger: gate values not shown")
-        else:
+        if path is not None:
             table.add_row("metrics.csv", str(path))
         for cb in trainer.checkpoint_callbacks:
             for what, value in checkpoint_rows(cb):

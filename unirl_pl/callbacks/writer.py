@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 from PIL import Image, ImageDraw, ImageFont
 
@@ -59,13 +60,19 @@ def captioned_grid(images: np.ndarray, rows: list[dict[str, Any]], tile: int = 1
     return sheet
 
 
-def add_image_to_tensorboard(trainer: pl.Trainer, tag: str, image: Image.Image, step: int) -> None:
-    """Also show ``image`` in TensorBoard when a ``TensorBoardLogger`` is attached (no-op otherwise)."""
-    from lightning.pytorch.loggers import TensorBoardLogger
-
+def log_image(trainer: pl.Trainer, tag: str, image: Image.Image, step: int) -> None:
+    """Show ``image`` as ``tag`` at ``step`` in every attached logger that shows images: TensorBoard,
+    Weights & Biases and MLflow. Other loggers (``CSVLogger``) are skipped: the callers save the PNG anyway."""
+    rgb = image.convert("RGB")
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+            logger.experiment.add_image(tag, np.asarray(rgb), step, dataformats="HWC")
+        elif isinstance(logger, WandbLogger):
+            logger.log_image(key=tag, images=[rgb], step=step)
+        elif isinstance(logger, MLFlowLogger):
+            # An artifact is a file path, so the step goes into the name or each image replaces the last. The
+            # artifact_file form, not the newer key/step one, so that the oldest mlflow the extra allows has it.
+            logger.experiment.log_image(logger.run_id, rgb, artifact_file=f"{tag}_step{step}.png")
 
 
 _OWN_FILE = re.compile(r"(grid_\d+_\d{4,}|\d+_\d{4,}_\d{2,})\.(png|webp)")
@@ -151,8 +158,8 @@ class ImageWriter(BasePredictionWriter):
 
 class ValidationImages(pl.Callback):
     """At each validation during ``fit``, save a captioned grid of the first validation batch as
-    ``<log_dir>/images/val_step<N>.png`` (N = the global step), and add it to TensorBoard when a
-    ``TensorBoardLogger`` is attached. Rank 0 only; the sanity check is skipped.
+    ``<log_dir>/images/val_step<N>.png`` (N = the global step), and show it in TensorBoard, W&B or MLflow
+    when such a logger is attached (:func:`log_image`). Rank 0 only; the sanity check is skipped.
 
     Reads the dict the module's ``validation_step`` returns (``prompts``, ``refined``, ``images``,
     ``rewards``); a step that returns nothing writes nothing.
@@ -201,4 +208,4 @@ class ValidationImages(pl.Callback):
         path.parent.mkdir(parents=True, exist_ok=True)
         sheet.save(path)
         self.written.append(path)
-        add_image_to_tensorboard(trainer, "val/images", sheet, trainer.global_step)
+        log_image(trainer, "val/images", sheet, trainer.global_step)
