@@ -50,6 +50,8 @@ SIZES = {
         "--model.generator.init_args.num_frames=5",
     ],
 }
+# As the recipes' CPU blocks: the JPEG reward (sd35's stand-in for its 4 GB PickScore; the others' own).
+CPU_REWARDS = ["--model.rewards={jpeg_incompressibility: 1.0}", "--model.reward_args=null"]
 PROMPTS = ["a red circle on the left", "two blue squares", "a green dog", "a big cat photo"]
 TIS_CAP = 2.0
 
@@ -83,6 +85,7 @@ def overrides(family: str, folder: Path, refiner: str, dtype: str, args: argpars
         f"--model.llm.init_args.dtype={dtype}",
         "--model.generator.init_args.max_sequence_length=16",
         *SIZES[family],
+        *CPU_REWARDS,
     ]
 
 

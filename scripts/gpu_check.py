@@ -19,12 +19,13 @@ falls back to its test pipeline):
     DIR/Wan2.2-T2V-A14B-Diffusers       wan22_t2v   (diffusers folder; one GPU, no FSDP)
     DIR/Qwen2.5-1.5B-Instruct           the refiner of every family
 
-Real size means the recipe's models, resolution and sampling steps; to fit every family in about five
-minutes the batch is ``--prompts`` x ``--samples`` (1 x 2 by default) and videos have ``--frames`` frames
-(17 by default; 0 keeps the recipe's 81), not a recipe's full step.
+Real size means the recipe's models (sd35's PickScore reward included: the run is offline, so
+yuvalkirstain/PickScore_v1 and laion/CLIP-ViT-H-14-laion2B-s32B-b79K must be in the HF cache), resolution and
+sampling steps; to fit every family in about five minutes the batch is ``--prompts`` x ``--samples`` (1 x 2 by
+default) and videos have ``--frames`` frames (17 by default; 0 keeps the recipe's 81), not a recipe's full step.
 Without ``--weights`` every family runs on the tiny test pipelines of ``tests/pipelines.py`` (built into a
-temporary folder) in bfloat16, with the recipe's documented CPU sizes and a batch of 2 x 4. ``--device cpu
---steps 1`` runs the same on CPU, the smoke test of this script (``tests/test_rollout_correction.py``).
+temporary folder) in bfloat16, with the recipe's documented CPU sizes and reward (JPEG) and a batch of 2 x 4.
+``--device cpu --steps 1`` runs the same on CPU, the smoke test of this script (``tests/test_rollout_correction.py``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ VIDEO = [
     "--model.generator.init_args.num_frames=5",
 ]
 TINY_SIZES = {"sd35": IMAGE, "flux": IMAGE, "wan_t2v": VIDEO, "wan22_t2v": VIDEO}
+# As the recipes' CPU blocks: the JPEG reward (sd35's stand-in for its 4 GB PickScore; the others' own).
+TINY_REWARDS = ["--model.rewards={jpeg_incompressibility: 1.0}", "--model.reward_args=null"]
 # Wan2.2's tiny schedule (shift 12, 4 steps) puts the expert boundary after step 2: train one step of each.
 TINY_WINDOWS = {"wan22_t2v": "[2,4]"}
 EXPERTS = ("llm", "transformer")
@@ -161,6 +164,7 @@ def fit_command(
             f"--model.generator_algorithm.init_args.sde_window={TINY_WINDOWS.get(family, '[0,2]')}",
             "--model.rollout.max_new_tokens=12",
             *TINY_SIZES[family],
+            *TINY_REWARDS,
         ]
     return cmd
 

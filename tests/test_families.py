@@ -22,8 +22,13 @@ from unirl_pl.experts import CausalLMExpert
 from unirl_pl.experts.chat import ChatFormat
 from unirl_pl.loops import ARDecode, RolloutConfig
 
+# sd35's header swaps its PickScore (4 GB of weights) for the JPEG reward on CPU; the others train on it already.
+JPEG = ["--model.rewards={jpeg_incompressibility: 1.0}", "--model.reward_args=null"]
 FAMILIES = {
-    "sd35": (make_sd3_pipeline, ["--model.generator.init_args.height=32", "--model.generator.init_args.width=32"]),
+    "sd35": (
+        make_sd3_pipeline,
+        ["--model.generator.init_args.height=32", "--model.generator.init_args.width=32", *JPEG],
+    ),
     "flux": (make_flux_pipeline, ["--model.generator.init_args.height=32", "--model.generator.init_args.width=32"]),
     "wan_t2v": (
         make_wan_pipeline,

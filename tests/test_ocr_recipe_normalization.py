@@ -13,8 +13,7 @@ import yaml
 from tests.helpers import ROOT
 from unirl_pl.layout import GroupLayout
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages
-from unirl_pl.rewards import builtin
-from unirl_pl.rewards.builtin import WeightedSum
+from unirl_pl.rewards import WeightedSum, weighted
 
 
 def _flow_grpo_advantages(rewards: torch.Tensor, prompt_of: torch.Tensor) -> torch.Tensor:
@@ -41,7 +40,7 @@ def test_the_ocr_recipes_advantages_are_flow_grpos(monkeypatch):
     fmt = (torch.rand(n, generator=g) > 0.3).float()
     values = {"ocr": ocr, "refiner_format": fmt}
     # The terms' values stand in for the scorers (RapidOCR is not needed to check the arithmetic).
-    monkeypatch.setattr(builtin, "resolve_reward", lambda name, args=None: lambda *_: values[name].tolist())
+    monkeypatch.setattr(weighted, "resolve_reward", lambda name, args=None: lambda *_: values[name].tolist())
     reward = WeightedSum(
         model["rewards"], model.get("reward_args"), normalize=model.get("reward_normalization", "none")
     )

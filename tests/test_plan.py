@@ -53,6 +53,9 @@ TINY = {
     "model.generator_algorithm.init_args.sde_window": "[0,2]",
     "model.rollout.max_new_tokens": "12",
     "model.rollout.micro_batch_size": "2",
+    # The CPU header's stand-in for PickScore, whose real-size ViT-H/14 would not fit these tiny budgets.
+    "model.rewards": "{jpeg_incompressibility: 1.0}",
+    "model.reward_args": "null",
 }
 
 

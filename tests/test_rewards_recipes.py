@@ -1,6 +1,7 @@
-"""The real-task reward recipes: the OCR prompts shipped with the repo are the generator's output, and
-(integration) each recipe runs the CPU override block its header documents on tiny folders; the GenEval
-recipe's against a fake GenEval server on loopback that checks every image arrives with its prompt's row."""
+"""The real-task reward recipes: the OCR prompts shipped with the repo are the generator's output, the main
+SD3.5 recipe trains on PickScore, and (integration) each recipe runs the CPU override block its header
+documents on tiny folders (sd35.yaml's with the JPEG reward for PickScore); the GenEval recipe's against a fake
+GenEval server on loopback that checks every image arrives with its prompt's row."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from transformers import CLIPModel
 
 from tests.chat_lm import make_qwen2_chat_lm
@@ -79,8 +81,32 @@ def fit_cpu_block(recipe: Path, args: list[str], tmp_path: Path):
     return main(["fit", "--config", str(recipe), *args, *outputs])
 
 
+def test_sd35_trains_on_pickscore_in_float32_and_its_cpu_block_on_jpeg():
+    """The main SD3.5 recipe's reward is PickScore in process, as sd35_pickscore.yaml scores it (float32, the
+    original prompt, / 26), and the plan counts its ViT-H/14 on the GPU; the CPU block swaps in the JPEG reward
+    (PickScore's weights are 4 GB), dropping the PickScore arguments the reward set would refuse."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unirl_pl.plan.recipe import parsed_recipe, step_recipe
+    from unirl_pl.plan.rewards import planned_rewards
+
+    recipe = ROOT / "recipes" / "sd35.yaml"
+    model = yaml.safe_load(recipe.read_text())["model"]["init_args"]
+    published = yaml.safe_load((ROOT / "recipes" / "sd35_pickscore.yaml").read_text())["model"]["init_args"]
+    assert model["rewards"] == {"pickscore": 1.0} and model["reward_args"] == published["reward_args"]
+    assert model["reward_args"]["pickscore"]["dtype"] == "float32"
+    (term,) = planned_rewards(step_recipe(parsed_recipe(["--config", str(recipe)])).rewards, FakeTensorMode())
+    assert term.name == "pickscore" and term.on_device
+    assert abs(term.weight_bytes - 4 * term.parameters) <= 0.01 * term.weight_bytes  # float32 (bf16: half)
+    args = cpu_block(recipe, {})
+    assert "--model.rewards={jpeg_incompressibility: 1.0}" in args and "--model.reward_args=null" in args
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("name, term", [("sd35_ocr", "ocr"), ("sd35_pickscore", "pickscore")])
+@pytest.mark.parametrize(
+    "name, term",
+    [("sd35_ocr", "ocr"), ("sd35_pickscore", "pickscore"), ("sd35", "jpeg_incompressibility")],
+)
 def test_recipe_runs_its_documented_cpu_block(tmp_path, tiny, name, term):
     if term == "ocr":
         pytest.importorskip("rapidocr_onnxruntime")

@@ -38,7 +38,7 @@ from unirl_pl.method.policy import PolicyLosses, Rows
 from unirl_pl.method.update import PolicyUpdate
 from unirl_pl.metrics import RewardStatistics, log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
-from unirl_pl.rewards import WeightedSum, registered_rewards
+from unirl_pl.rewards import RewardTerm, WeightedSum, registered_rewards
 from unirl_pl.rewards.metadata import WithMetadata
 from unirl_pl.versioning import VersionLedger, check_staleness
 
@@ -68,8 +68,11 @@ class UniRLModule(pl.LightningModule):
             and their noise are the generator algorithm's.
         eval_sampler: What validation and predict sample with where it differs from ``rollout`` (steps,
             guidance), as the references evaluate.
-        rewards: Reward name (registry key or dotted path) -> weight; the weighted sum is the reward. Required.
-        reward_args: Reward name -> keyword arguments for rewards that take some.
+        rewards: The reward's terms; their weighted sum is the reward. Required. Each term a component:
+            ``{reward: {class_path, init_args}, weight, name}`` (:class:`~unirl_pl.rewards.RewardTerm`; arguments
+            checked when the recipe is parsed), or the short form: reward name (registry key or dotted path) ->
+            weight.
+        reward_args: Short form only: reward name -> keyword arguments for rewards that take some.
         advantage: How rewards become advantages (scheme, global std, clipping).
         llm_optimizer: Optimizer of the LM's LoRA parameters (its own learning rate).
         transformer_optimizer: Optimizer of the generator's LoRA parameters (its own learning rate).
@@ -111,7 +114,7 @@ class UniRLModule(pl.LightningModule):
         mode: Literal["joint", "prompt_only", "generator_only"] = "joint",
         rollout: RolloutConfig = RolloutConfig(),
         eval_sampler: EvalSampler = EvalSampler(),
-        rewards: dict[str, float] | None = None,
+        rewards: list[RewardTerm] | dict[str, float] | None = None,
         reward_args: dict[str, dict[str, Any]] | None = None,
         advantage: AdvantageConfig = AdvantageConfig(),
         llm_optimizer: OptimizerCallable = _default_llm_optimizer,
@@ -142,7 +145,8 @@ class UniRLModule(pl.LightningModule):
             raise ValueError(f"max_consecutive_skips must be >= 0, got {max_consecutive_skips}")
         if not rewards:
             raise ValueError(
-                "model.rewards is not set: name at least one reward with its weight, e.g. rewards: {brightness: 1.0}. "
+                "model.rewards is not set: give at least one term, e.g. rewards: [{reward: {class_path: "
+                "unirl_pl.rewards.Brightness}, weight: 1.0}], or in the short form rewards: {brightness: 1.0}. "
                 f"Registered rewards: {', '.join(registered_rewards())} (or a dotted path to your own callable)."
             )
         if pipeline_path is not None:

@@ -210,7 +210,7 @@ def plan_step(
     start = time.monotonic()
     mode = None if real else FakeTensorMode()
     experts = build_experts(recipe, pipeline_path, llm_path, mode)
-    rewards = planned_rewards(recipe.rewards, mode)
+    rewards = planned_rewards(recipe.rewards, mode, recipe.reward_paths)
     experts.reward_models = reward_models(rewards)
     card = Card.unified(has_llm=experts.llm is not None, has_vae=True)
     trained = card.trained_components(recipe.mode)

@@ -77,7 +77,9 @@ class StepRecipe:
         devices: Ranks (``trainer.devices``, or ``--devices``).
         fsdp: Whether the strategy shards the trained experts (``ModelParallelStrategy``).
         reshard_after_forward: FSDP2's choice after each block's forward.
-        rewards: The reward terms (``model.rewards``' names) with their ``model.reward_args``.
+        rewards: The reward terms by name with their arguments (``model.reward_args`` in the short form, a
+            component's ``init_args``).
+        reward_paths: The class path of each term given as a component (short-form names resolve by registry).
     """
 
     generator_class: type
@@ -98,6 +100,7 @@ class StepRecipe:
     fsdp: bool
     reshard_after_forward: bool
     rewards: dict[str, dict[str, Any]] = field(default_factory=dict)
+    reward_paths: dict[str, str] = field(default_factory=dict)
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -188,7 +191,7 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
         devices=world,
         fsdp="ModelParallelStrategy" in str(strategy_name),
         reshard_after_forward=bool(model["reshard_after_forward"]),
-        rewards=_rewards(model),
+        **_rewards(model),
     )
 
 
@@ -197,10 +200,21 @@ def _algorithm(node: dict[str, Any], key: str) -> Any:
     return _build(import_class(node["class_path"]), _args(node), key)
 
 
-def _rewards(model: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """``model.rewards``' names, each with its ``model.reward_args`` (empty when it takes none)."""
-    weights = model.get("rewards") or {}
-    args = model.get("reward_args") or {}
-    if not isinstance(weights, dict) or not isinstance(args, dict):
-        raise RecipeError("model.rewards and model.reward_args must be mappings of reward names")
-    return {str(name): dict(args.get(name) or {}) for name in weights}
+def _rewards(model: dict[str, Any]) -> dict[str, Any]:
+    """``rewards`` (each term's name -> its arguments) and ``reward_paths`` (name -> class path, for the terms given
+    as components; the short form's names resolve through the registry)."""
+    terms = model.get("rewards") or {}
+    if isinstance(terms, dict):
+        args = model.get("reward_args") or {}
+        if not isinstance(args, dict):
+            raise RecipeError("model.reward_args must be a mapping of reward names")
+        return {"rewards": {str(name): dict(args.get(name) or {}) for name in terms}, "reward_paths": {}}
+    rewards: dict[str, dict[str, Any]] = {}
+    paths: dict[str, str] = {}
+    for term in terms:
+        reward = term["reward"]
+        path = reward["class_path"]
+        cls = import_class(path)
+        name = term.get("name") or getattr(cls, "name", "") or cls.__name__.lower()
+        rewards[name], paths[name] = dict(reward.get("init_args") or {}), path
+    return {"rewards": rewards, "reward_paths": paths}

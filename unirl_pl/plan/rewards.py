@@ -237,12 +237,15 @@ def build_scorer(cls: type, kwargs: dict[str, Any], mode: FakeTensorMode | None)
     return scorer, what
 
 
-def planned_rewards(rewards: dict[str, dict[str, Any]], mode: FakeTensorMode | None) -> list[PlannedReward]:
-    """Each reward term of the recipe (name -> its ``reward_args``) as the plan counts it. A term whose
-    ``device`` is set to the CPU or another device holds nothing on this rank's device."""
+def planned_rewards(
+    rewards: dict[str, dict[str, Any]], mode: FakeTensorMode | None, paths: dict[str, str] | None = None
+) -> list[PlannedReward]:
+    """Each reward term of the recipe (name -> its arguments) as the plan counts it; ``paths`` gives the class of
+    the terms a recipe gives as components. A term whose ``device`` is set to the CPU or another device holds
+    nothing on this rank's device."""
     out = []
     for name, kwargs in rewards.items():
-        path = DEVICE_REWARDS.get(name, name if "." in name else "")
+        path = (paths or {}).get(name) or DEVICE_REWARDS.get(name, name if "." in name else "")
         cls = _class(path) if path else None
         if not (isinstance(cls, type) and issubclass(cls, CLIPReward)):
             where = HOST_REWARDS.get(name, "a custom reward the plan does not trace")

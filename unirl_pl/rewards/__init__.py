@@ -3,20 +3,23 @@
 ``images`` is a float tensor (N, 3, H, W) in [0, 1]; ``prompts`` are the original user prompts and
 ``refined_prompts`` what the generator was conditioned on; a reward that declares a ``metadata``
 parameter also gets each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`). A recipe names
-rewards from the registry or by dotted path (``mypkg.rewards.my_reward``) with a weight each; their
+rewards as components (``class_path`` + ``init_args`` + ``weight``: :class:`RewardTerm` of a :class:`Reward`)
+or in the short form, registry names or dotted paths (``mypkg.rewards.my_reward``) with a weight each; their
 weighted sum is the scalar the advantages are computed from (after per-term group normalization when asked).
-Preference scorers run in process (``clip_models``, ``hpsv2``), VLM judges over an OpenAI-compatible
-API (``vlm_judge``), anything else behind the reference server (``server``, ``http``).
+Preference scorers run in process (``clip_models``, ``hpsv2``, ``hpsv3``, ``imagereward``), VLM judges over an
+OpenAI-compatible API (``vlm_judge``), anything else behind the reference server (``server``, ``http``).
 """
 
+from unirl_pl.rewards.base import Reward, RewardTerm
 from unirl_pl.rewards.builtin import (
     REGISTRY,
     Brightness,
     ContainsWord,
+    JPEGCompressibility,
+    JPEGIncompressibility,
     RefinerFormat,
     RewardFn,
     RewardTerms,
-    WeightedSum,
     jpeg_compressibility,
     jpeg_incompressibility,
     registered_rewards,
@@ -24,9 +27,13 @@ from unirl_pl.rewards.builtin import (
 )
 from unirl_pl.rewards.clip_models import Aesthetic, CLIPScore, PickScore
 from unirl_pl.rewards.hpsv2 import HPSv2
+from unirl_pl.rewards.hpsv3 import HPSv3
 from unirl_pl.rewards.http import HTTPReward, RewardServerError
+from unirl_pl.rewards.imagereward import ImageReward
 from unirl_pl.rewards.ocr import OCRReward
+from unirl_pl.rewards.shapes import ShapesGenEval
 from unirl_pl.rewards.vlm_judge import VLMJudge
+from unirl_pl.rewards.weighted import WeightedSum
 
 __all__ = [
     "REGISTRY",
@@ -35,13 +42,20 @@ __all__ = [
     "CLIPScore",
     "ContainsWord",
     "HPSv2",
+    "HPSv3",
     "HTTPReward",
+    "ImageReward",
+    "JPEGCompressibility",
+    "JPEGIncompressibility",
     "OCRReward",
     "PickScore",
     "RefinerFormat",
+    "Reward",
     "RewardFn",
     "RewardServerError",
+    "RewardTerm",
     "RewardTerms",
+    "ShapesGenEval",
     "VLMJudge",
     "WeightedSum",
     "jpeg_compressibility",

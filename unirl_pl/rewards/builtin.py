@@ -1,7 +1,8 @@
-"""Built-in rewards, the registry that names them, and the weighted sum a recipe configures.
+"""Built-in rewards and the registry of short names (aliases of the component classes).
 
-How a term's values are checked, averaged over frames and normalized within groups is in
-:mod:`unirl_pl.rewards.terms`; its public names are importable from here too, as they always were.
+The weighted sum a recipe configures is :mod:`unirl_pl.rewards.weighted`; how a term's values are checked,
+averaged over frames and normalized within groups is in :mod:`unirl_pl.rewards.terms` (its public names are
+importable from here too, as they always were).
 """
 
 from __future__ import annotations
@@ -11,22 +12,18 @@ import inspect
 import io
 import math
 from collections.abc import Callable
-from functools import partial
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
-from unirl_pl.rewards.metadata import Metadata, accepts_metadata
+from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
-    as_values,
-    frame_mean,
     group_normalize,
-    is_real,
     term_stats,
     unique_prompt_groups,
 )
@@ -39,7 +36,6 @@ __all__ = [
     "RefinerFormat",
     "RewardFn",
     "RewardTerms",
-    "WeightedSum",
     "group_normalize",
     "jpeg_compressibility",
     "jpeg_incompressibility",
@@ -74,12 +70,32 @@ def jpeg_incompressibility(prompts: list[str], refined_prompts: list[str], image
     return _jpeg_kb(images)
 
 
-class Brightness:
+class JPEGCompressibility(Reward):
+    """DDPO's compressibility as a component: minus the JPEG size (kB, quality 95); simpler images score higher."""
+
+    name = "jpeg_compressibility"
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        return jpeg_compressibility(prompts, refined_prompts, images)
+
+
+class JPEGIncompressibility(Reward):
+    """DDPO's incompressibility as a component: the JPEG size (kB, quality 95); detailed images score higher."""
+
+    name = "jpeg_incompressibility"
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        return jpeg_incompressibility(prompts, refined_prompts, images)
+
+
+class Brightness(Reward):
     """Mean pixel intensity in [0, 1] (optionally of one channel): a reward a generator can move quickly.
 
     Args:
         channel: 0/1/2 for red/green/blue only, or None for all channels.
     """
+
+    name = "brightness"
 
     def __init__(self, channel: int | None = None) -> None:
         if channel is not None and channel not in (0, 1, 2):
@@ -91,12 +107,14 @@ class Brightness:
         return x.mean(dim=(1, 2, 3)).tolist()
 
 
-class ContainsWord:
+class ContainsWord(Reward):
     """1 if the refined prompt contains ``word`` as a whole word, else 0: a reward the refiner can learn.
 
     Args:
         word: The target word (matched case-insensitively).
     """
+
+    name = "contains_word"
 
     def __init__(self, word: str = "red") -> None:
         if not word.strip() or " " in word.strip():
@@ -107,7 +125,7 @@ class ContainsWord:
         return [float(self.word in r.lower().split()) for r in refined_prompts]
 
 
-class RefinerFormat:
+class RefinerFormat(Reward):
     """Format/length reward for refinements: 1 inside ``[min_words, max_words]``, decaying outside.
 
     A refinement that repeats a word more than ``max_repeats`` times scores 0, which stops the
@@ -118,6 +136,8 @@ class RefinerFormat:
         max_words: Most words of a well-formed refinement.
         max_repeats: Most occurrences of any one word.
     """
+
+    name = "refiner_format"
 
     def __init__(self, min_words: int = 3, max_words: int = 16, max_repeats: int = 3) -> None:
         if not 0 < min_words <= max_words:
@@ -138,38 +158,12 @@ class RefinerFormat:
 
 
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
-    "jpeg_compressibility": lambda: jpeg_compressibility,
-    "jpeg_incompressibility": lambda: jpeg_incompressibility,
+    "jpeg_compressibility": JPEGCompressibility,
+    "jpeg_incompressibility": JPEGIncompressibility,
     "brightness": Brightness,
     "contains_word": ContainsWord,
     "refiner_format": RefinerFormat,
 }
-
-
-def _shapes_geneval(**kwargs: Any) -> RewardFn:
-    from unirl_pl.rewards.shapes import ShapesGenEval
-
-    return ShapesGenEval(**kwargs)
-
-
-REGISTRY["shapes_geneval"] = _shapes_geneval
-
-
-def _ocr(**kwargs: Any) -> RewardFn:
-    # Imported on use: rapidocr-onnxruntime is an optional extra (pip install -e .[ocr]).
-    from unirl_pl.rewards.ocr import OCRReward
-
-    return OCRReward(**kwargs)
-
-
-def _http(**kwargs: Any) -> RewardFn:
-    from unirl_pl.rewards.http import HTTPReward
-
-    return HTTPReward(**kwargs)
-
-
-REGISTRY["ocr"] = _ocr
-REGISTRY["http"] = _http
 
 
 def _lazy(module: str, attr: str) -> Callable[..., RewardFn]:
@@ -179,13 +173,21 @@ def _lazy(module: str, attr: str) -> Callable[..., RewardFn]:
         return getattr(importlib.import_module(module), attr)(**kwargs)
 
     factory.__name__ = attr
+    factory.__module__ = module
     return factory
 
 
+# The short names, each an alias of a component class (its ``name``); imported on first use (the OCR extra is
+# optional, and model libraries load slowly).
+REGISTRY["shapes_geneval"] = _lazy("unirl_pl.rewards.shapes", "ShapesGenEval")
+REGISTRY["ocr"] = _lazy("unirl_pl.rewards.ocr", "OCRReward")
+REGISTRY["http"] = _lazy("unirl_pl.rewards.http", "HTTPReward")
 REGISTRY["pickscore"] = _lazy("unirl_pl.rewards.clip_models", "PickScore")
 REGISTRY["clip_score"] = _lazy("unirl_pl.rewards.clip_models", "CLIPScore")
 REGISTRY["aesthetic"] = _lazy("unirl_pl.rewards.clip_models", "Aesthetic")
 REGISTRY["hpsv2"] = _lazy("unirl_pl.rewards.hpsv2", "HPSv2")
+REGISTRY["hpsv3"] = _lazy("unirl_pl.rewards.hpsv3", "HPSv3")
+REGISTRY["imagereward"] = _lazy("unirl_pl.rewards.imagereward", "ImageReward")
 REGISTRY["vlm_judge"] = _lazy("unirl_pl.rewards.vlm_judge", "VLMJudge")
 
 
@@ -233,154 +235,3 @@ def resolve_reward(name: str, kwargs: dict[str, Any] | None = None) -> RewardFn:
             "__call__(prompts, refined_prompts, images) returning one number per sample"
         )
     return reward
-
-
-class WeightedSum:
-    """The scalar reward: ``sum_i w_i * reward_i``, keeping each term's values for logging.
-
-    Every term's values are checked: a value that is not a real number (a string, None, a bool) is an
-    error naming the reward and the value's type; a NaN or infinite value is an error naming the reward
-    and the sample's prompt, or with ``nonfinite="drop"`` makes that sample's total NaN (the caller drops
-    it) and is counted in :attr:`dropped`.
-
-    With ``normalize="group"`` each term is normalized within its group before weighting (PromptRL's and
-    verl-omni's way of combining rewards on different scales: a PickScore near 22 and an OCR score in
-    [0, 1] then weigh as their weights say, not as their units do). The returned total stays the raw
-    weighted sum (logged, and what validation reports); the normalized one is the parts' ``combined``.
-
-    Per-sample ``metadata`` (each prompt's row of a JSONL prompt file: :mod:`unirl_pl.rewards.metadata`) goes
-    only to the terms whose callable declares a ``metadata`` parameter; the others are called as before.
-
-    Args:
-        weights: Reward name (registry key or dotted path) -> weight.
-        reward_args: Reward name -> constructor keyword arguments, for rewards that take some.
-        nonfinite: ``error`` (stop at a NaN/inf reward) or ``drop`` (the sample's total is NaN).
-        normalize: ``none`` or ``group``: centre each term within its group (the samples of one prompt) and
-            scale it by its std over the batch before weighting (:func:`group_normalize`).
-    """
-
-    def __init__(
-        self,
-        weights: dict[str, float],
-        reward_args: dict[str, dict[str, Any]] | None = None,
-        nonfinite: Literal["error", "drop"] = "error",
-        normalize: Literal["none", "group"] = "none",
-    ) -> None:
-        if not weights:
-            raise ValueError("at least one reward is needed")
-        if nonfinite not in ("error", "drop"):
-            raise ValueError(f"nonfinite must be 'error' or 'drop', got {nonfinite!r}")
-        if normalize not in ("none", "group"):
-            raise ValueError(f"reward normalization must be 'none' or 'group', got {normalize!r}")
-        reward_args = reward_args or {}
-        stray = set(reward_args) - set(weights)
-        if stray:
-            raise ValueError(f"reward_args given for rewards not in the weights: {sorted(stray)}")
-        bad_weights = {n: w for n, w in weights.items() if not is_real(w) or not math.isfinite(w)}
-        if bad_weights:
-            raise ValueError(f"reward weights must be finite numbers, got {bad_weights}")
-        self.weights = dict(weights)
-        self.nonfinite = nonfinite
-        self.normalize = normalize
-        self.dropped = 0  # samples whose total was set to NaN (nonfinite="drop"), over this object's life
-        self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
-        # name -> (the term's callable, whether it declares ``metadata``): its signature is read once, and read
-        # again only if the term is replaced after construction.
-        self._wants: dict[str, tuple[RewardFn, bool]] = {}
-
-    def wants_metadata(self, name: str) -> bool:
-        """Whether term ``name`` declares a ``metadata`` parameter (and so is given each sample's)."""
-        fn = self.terms[name]
-        known = self._wants.get(name)
-        if known is None or known[0] is not fn:
-            known = self._wants[name] = (fn, accepts_metadata(fn))
-        return known[1]
-
-    def score_term(
-        self,
-        name: str,
-        prompts: list[str],
-        refined_prompts: list[str],
-        images: Tensor,
-        metadata: list[Metadata] | None = None,
-    ) -> Tensor:
-        """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
-        fn = self.terms[name]
-        video = images.ndim == 5 and not getattr(fn, "accepts_video", False)
-        if metadata is not None and self.wants_metadata(name):
-            if len(metadata) != len(prompts):
-                raise ValueError(f"reward {name!r}: {len(metadata)} metadata items for {len(prompts)} samples")
-            # Frame by frame, every frame of a video is scored with its video's metadata.
-            frames = images.shape[1] if video else 1
-            fn = partial(fn, metadata=[m for m in metadata for _ in range(frames)])
-        if video:
-            return frame_mean(name, fn, prompts, refined_prompts, images)
-        return as_values(name, fn(prompts, refined_prompts, images), len(prompts), "samples")
-
-    def __call__(
-        self,
-        prompts: list[str],
-        refined_prompts: list[str],
-        images: Tensor,
-        *,
-        groups: Tensor | None = None,
-        pending: dict[str, Callable[[], Tensor]] | None = None,
-        batch_std: Callable[[Tensor], Tensor | None] | None = None,
-        metadata: list[Metadata] | None = None,
-    ) -> tuple[Tensor, RewardTerms]:
-        """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
-
-        For videos (N, F, 3, H, W) an image reward scores every frame and the video gets the frames' mean.
-        With ``nonfinite="drop"`` a sample with a NaN/inf term has total NaN (its raw terms are kept).
-        ``groups`` (N,) are the samples' group ids for ``normalize="group"`` (default: samples with the
-        same prompt form a group). ``pending`` holds terms already being scored (during decode): name ->
-        a function returning their values, called here instead of the reward. ``batch_std`` returns a term's
-        std over every rank (None on one process), the scale of ``normalize="group"``. ``metadata`` (N,) is each
-        sample's prompt metadata, given to the terms that declare a ``metadata`` parameter.
-        """
-        pending = pending or {}
-        parts = RewardTerms()
-        for name in self.terms:
-            if name in pending:
-                parts[name] = as_values(name, pending[name](), len(prompts), "samples")
-            else:
-                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata)
-        bad = torch.zeros(len(prompts), dtype=torch.bool)
-        for name, values in parts.items():
-            nonfinite = ~torch.isfinite(values)
-            if nonfinite.any() and self.nonfinite == "error":
-                i = int(nonfinite.nonzero()[0])
-                raise ValueError(
-                    f"reward {name!r} returned {values[i].item()} for sample {i} (prompt {prompts[i]!r}, "
-                    f"refined {refined_prompts[i]!r}); {int(nonfinite.sum())} of {len(values)} values are not "
-                    "finite. Fix the reward, or set nonfinite='drop' to leave such samples out"
-                )
-            bad |= nonfinite
-        total = self._combine(parts, bad, None)
-        parts.combined = total
-        if self.normalize == "group":
-            if groups is None:
-                _, groups = unique_prompt_groups(prompts)
-            parts.combined = self._combine(parts, bad, groups, batch_std)
-        if bad.any():
-            self.dropped += int(bad.sum())
-        return total, parts
-
-    def _combine(
-        self,
-        parts: dict[str, Tensor],
-        bad: Tensor,
-        groups: Tensor | None,
-        batch_std: Callable[[Tensor], Tensor | None] | None = None,
-    ) -> Tensor:
-        """The weighted sum of the terms (group-normalized first when ``groups`` is given); NaN where bad."""
-        total = torch.zeros(len(bad), dtype=torch.float32)
-        for name, values in parts.items():
-            v = torch.where(bad, torch.nan, values)
-            if groups is not None:
-                # Every rank takes part in the gather; a dropped sample enters it at the mean of the kept ones.
-                kept = v[~bad]
-                filled = torch.where(bad, kept.mean() if len(kept) else 0.0, v)
-                v = group_normalize(v, groups, batch_std(filled) if batch_std is not None else None)
-            total = total + self.weights[name] * torch.where(bad, 0.0, v)
-        return torch.where(bad, torch.nan, total) if bad.any() else total

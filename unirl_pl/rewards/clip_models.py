@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.frames import FrameReduce, check_frame_args, score_video_frames
 
 PromptChoice = Literal["original", "refined"]
@@ -65,7 +66,7 @@ def unique_texts(texts: list[str]) -> tuple[list[str], Tensor]:
     return order, torch.tensor([where[t] for t in texts], dtype=torch.long)
 
 
-class CLIPReward:
+class CLIPReward(Reward):
     """Base of the CLIP scorers: loading, placement, batching, embeddings and the reward signature.
 
     Subclasses set ``name`` and implement :meth:`score_embeddings` (or :meth:`score_images`). Videos

@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.metadata import Metadata, check_metadata
 from unirl_pl.rewards.transport import MAX_REPLY_BYTES, RewardServerError, post
 
@@ -125,7 +126,7 @@ def decode_images(
     return torch.from_numpy(np.stack(arrays)).movedim(-1, -3).float() / 255
 
 
-class HTTPReward:
+class HTTPReward(Reward):
     """A reward computed by a remote server: POSTs the samples as JSON and returns the scores it sends back.
 
     Samples go in batches of ``batch_size`` as ``{"prompts", "refined_prompts", "images"}`` (images
@@ -135,7 +136,8 @@ class HTTPReward:
     that batch's slice, one object or null per sample; without it the request is as before. Each request must
     be answered in full
     within ``timeout_s``; a timeout, a refused or dropped connection, a 5xx, a 408 or a 429 is retried
-    ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...), so one request
+    ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...; a 429/503's
+    ``Retry-After`` replaces the wait, and fails the request at once if it reaches past the budget), so one request
     takes at most ``timeout_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` seconds. Then,
     or at once on another 4xx, a redirect (never followed), a reply over ``max_reply_bytes`` or a
     malformed reply, a :class:`RewardServerError` names the URL and what went wrong. Serve any
@@ -155,6 +157,8 @@ class HTTPReward:
             (decoding then goes ``batch_size`` images at a time; see :mod:`unirl_pl.rewards.overlap`).
         max_reply_bytes: Largest reply accepted, so a misbehaving peer cannot exhaust memory.
     """
+
+    name = "http"
 
     accepts_video = True  # reads (N, F, 3, H, W) itself
 

@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from unirl_pl.rewards.base import Reward
+
 # The first "..." span of a prompt is the text to render; typographic quotes count too, since prompt
 # sets written by hand or by an LM often use them.
 _QUOTED = re.compile(r'["\u201c\u201d]([^"\u201c\u201d]*)["\u201c\u201d]')
@@ -55,7 +57,7 @@ def ocr_score(recognized: str, target: str) -> float:
     return 1.0 - dist / len(target)
 
 
-class OCRReward:
+class OCRReward(Reward):
     """Score how exactly each image renders the text quoted in its original prompt, via RapidOCR.
 
     Follows Flow-GRPO's OCR reward: the target is the text inside the first pair of double quotes of
@@ -79,6 +81,8 @@ class OCRReward:
             ``lang="en"``); needs ``rec_keys_path``.
         rec_keys_path: That model's character dictionary (``en_dict.txt`` for the English model).
     """
+
+    name = "ocr"
 
     accepts_video = True  # reads (N, F, 3, H, W) itself
 

@@ -6,8 +6,8 @@ point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path) take
 reward that declares a ``metadata`` parameter) and answers ``{"scores": [...]}``; ``GET /health`` answers ``{"status":
 "ok", "reward": name}``. Concurrent requests (several trainer ranks, or one client's overlapping calls)
 are batched: one worker thread scores the requests that arrived within ``batch_wait_s`` of each other
-in one call of the reward, up to ``max_batch_size`` samples. Requests are bounded (body size, body read
-time, PNG/JPEG only, pixels per image and per request); every refusal is a JSON ``{"error": ...}`` with
+in one call of the reward, up to ``max_batch_size`` samples. Requests are bounded (body size, head and body
+read time, PNG/JPEG only, pixels per image and per request); every refusal is a JSON ``{"error": ...}`` with
 its 4xx/5xx status, and the connection is closed after it. It is also the template for wrapping a
 model whose dependencies cannot live in the trainer's environment: copy it, replace the reward, keep
 the protocol.
@@ -29,6 +29,7 @@ from unirl_pl.rewards.batcher import RequestBatcher
 from unirl_pl.rewards.builtin import RewardFn, resolve_reward
 from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS, ImageTooLarge, decode_images
 from unirl_pl.rewards.metadata import Metadata, check_metadata
+from unirl_pl.rewards.transport import DeadlineSocket
 
 MAX_BODY_BYTES = 64 * 2**20
 READ_TIMEOUT_S = 30.0
@@ -40,7 +41,8 @@ class RewardHTTPServer(ThreadingHTTPServer):
     worker thread (:class:`RequestBatcher`).
 
     Every request is bounded before the reward sees it: a ``Content-Length`` is required (411) and may
-    not exceed ``max_body_bytes`` (413, refused unread); the body must arrive within ``read_timeout_s``
+    not exceed ``max_body_bytes`` (413, refused unread); the request line and headers must arrive within
+    ``read_timeout_s`` (else the connection is closed, unanswered), the body within another ``read_timeout_s``
     (408); the JSON must parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be
     lists of strings as long as ``images`` (400); ``metadata``, when present and not null, must be a list as
     long as ``prompts`` of JSON objects or nulls (400); images must be PNG or JPEG (400) within the pixel limits
@@ -54,8 +56,9 @@ class RewardHTTPServer(ThreadingHTTPServer):
         max_batch_size: Most samples per reward call when requests are batched together.
         batch_wait_s: How long a batch waits for more requests after its first one.
         max_body_bytes: Largest request body accepted.
-        read_timeout_s: Seconds a request body may take to arrive in full; also how long an idle
-            connection is kept and how long writing a reply may block.
+        read_timeout_s: Seconds the request line and headers may take to arrive in full (counted from the
+            connection's start or its previous reply, so also how long an idle connection is kept), the same
+            again for the body, and how long writing a reply may block.
         max_image_pixels: Most pixels (width x height) of one image or video frame.
         max_total_pixels: Most pixels of all the images and frames of one request.
     """
@@ -114,6 +117,7 @@ class _Refused(Exception):
 
 class _RewardHandler(BaseHTTPRequestHandler):
     server: RewardHTTPServer
+    _in: DeadlineSocket  # the connection under rfile, with the deadline of what is being read
     protocol_version = "HTTP/1.1"
     # Errors found in the request line itself (a garbled line) get a status line and headers too; the
     # base class would answer them as HTTP/0.9, a bare body without any status.
@@ -121,9 +125,23 @@ class _RewardHandler(BaseHTTPRequestHandler):
 
     @property  # type: ignore[override]
     def timeout(self) -> float:
-        # StreamRequestHandler.setup applies it to the connection: an idle keep-alive connection, or one
-        # stalled in its request line or headers, is dropped after this long without a byte.
+        # StreamRequestHandler.setup applies it to the connection; reads then get their own deadline (below),
+        # so it bounds only writes made outside _reply, such as a "100 Continue".
         return self.server.read_timeout_s
+
+    def setup(self) -> None:
+        super().setup()
+        # Every read (request line, headers, body) waits only until the deadline of what it reads: the socket
+        # timeout alone bounds each read, and a client sending a byte at a time could hold this thread forever.
+        self.rfile.close()  # the base class's reader, nothing read from it yet
+        self._in = DeadlineSocket(self.connection, time.monotonic() + self.server.read_timeout_s)
+        self.rfile = self._in.makefile("rb")
+
+    def handle_one_request(self) -> None:
+        # The request line and headers must be in within read_timeout_s of the previous reply (or of
+        # connecting); past it the read raises TimeoutError, on which the base class closes the connection.
+        self._in.deadline = time.monotonic() + self.server.read_timeout_s
+        super().handle_one_request()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it so
         pass  # one line per request would drown a training log; errors still go back to the client
@@ -201,27 +219,18 @@ class _RewardHandler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         length = self._declared_length()
-        # One deadline for the whole body: the socket timeout alone bounds each read, and a client
-        # sending a byte at a time could hold this thread indefinitely.
-        deadline = time.monotonic() + self.server.read_timeout_s
+        self._in.deadline = time.monotonic() + self.server.read_timeout_s  # one deadline for the whole body
         chunks, got = [], 0
         while got < length:
-            left = deadline - time.monotonic()
-            late = _Refused(
-                408, f"the body did not arrive within {self.server.read_timeout_s:g} s ({got} of {length} bytes)"
-            )
-            if left <= 0:
-                raise late
-            self.connection.settimeout(left)
             try:
                 chunk = self.rfile.read1(min(length - got, _READ_CHUNK))
             except TimeoutError:
-                raise late from None
+                late = f"the body did not arrive within {self.server.read_timeout_s:g} s ({got} of {length} bytes)"
+                raise _Refused(408, late) from None
             if not chunk:
                 raise _Refused(400, f"the body ended after {got} of {length} bytes")
             chunks.append(chunk)
             got += len(chunk)
-        self.connection.settimeout(self.server.read_timeout_s)
         return b"".join(chunks)
 
     def _parse(self, body: bytes) -> tuple[list[str], list[str], Tensor, list[Metadata] | None]:
@@ -320,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
         "--read-timeout-s",
         type=float,
         default=READ_TIMEOUT_S,
-        help="seconds a request body may take to arrive in full (else 408); also the idle-connection timeout",
+        help="seconds the request line and headers may take to arrive in full (else the connection is closed), "
+        "the same for the body (else 408); also the idle-connection timeout",
     )
     parser.add_argument(
         "--max-image-pixels",

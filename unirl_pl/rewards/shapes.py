@@ -12,6 +12,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from unirl_pl.rewards.base import Reward
 from unirl_pl.shapes.prompts import spec_of
 from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec, requested_objects
 from unirl_pl.shapes.verify import Verdict, verify
@@ -48,7 +49,7 @@ def _verdicts(prompts: list[str], images: torch.Tensor, penalize_extra: bool = F
     return [verify(_cached_spec(p), img, penalize_extra=penalize_extra) for p, img in zip(prompts, arrays, strict=True)]
 
 
-class ShapesGenEval:
+class ShapesGenEval(Reward):
     """The ShapesWorld reward: per-image verifier score of the original prompt's scene.
 
     ``score="soft"`` returns the fraction of the scene's constraints that hold (a dense RL signal);
@@ -67,6 +68,8 @@ class ShapesGenEval:
             and only in ``__call__`` (the RL reward); ``breakdown``, which validation reports, has no
             refined prompts and stays the GenEval-style image check.
     """
+
+    name = "shapes_geneval"
 
     breakdown_keys: tuple[str, ...] = BREAKDOWN_KEYS
 

@@ -16,6 +16,10 @@ Semantics of :func:`post`:
   attempts and waits together stay within ``total_s``, by default
   ``deadline_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` (every attempt may use its
   whole deadline); a retry that the budget cannot hold is not started. Then :class:`TransportFailed`.
+- **Retry-After**: a 429 or 503 with a ``Retry-After`` header (delta-seconds, or an HTTP-date) waits that
+  long before the next attempt instead of the backoff. A wait that would reach past the time budget is not
+  slept: the call fails at once, saying how long the server asked to wait. A value that is neither
+  (``soon``, ``-1``, ``1.5``) is ignored and the backoff applies.
 - **Rejected at once**: a 4xx other than 408 and 429 (:class:`RequestRejected`, with the status and
   the first 300 bytes of the reply), and any 3xx: redirects are never followed, so the headers (an
   ``Authorization`` bearer token included) only ever go to the configured URL.
@@ -33,6 +37,7 @@ Nothing is kept between calls (no pooled connection), so objects that call :func
 from __future__ import annotations
 
 import base64
+import email.utils
 import http.client
 import io
 import ipaddress
@@ -40,12 +45,14 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 MAX_REPLY_BYTES = 64 * 2**20  # far above any scores or chat reply; a cap, not an expected size
 DETAIL_BYTES = 300  # how much of an error reply's body a message quotes
 _SEND_CHUNK = 64 * 2**10  # the deadline is re-armed between chunks of the request body
 RETRIED_STATUSES = frozenset({408, 429})  # besides every 5xx
+RETRY_AFTER_STATUSES = frozenset({429, 503})  # whose Retry-After header sets the wait before the next attempt
 
 
 class RewardServerError(RuntimeError):
@@ -103,7 +110,8 @@ def post(
         headers: Request headers (``Content-Type``, ``Authorization``, ...); sent to ``url`` only.
         deadline_s: Seconds one attempt may take in all: connect, send, headers and the whole reply.
         max_retries: Further attempts after a retryable failure (0: try once).
-        backoff_s: Wait before the first retry; doubles for each one after.
+        backoff_s: Wait before the first retry; doubles for each one after. A 429/503's ``Retry-After``
+            replaces the wait after that reply.
         total_s: Seconds all attempts and waits may take together; default :func:`retry_budget`.
         max_reply_bytes: Largest reply body accepted.
         label: How messages name the peer, e.g. ``"reward server"`` or ``"VLM judge"``.
@@ -128,11 +136,19 @@ def post(
     start = time.monotonic()
     end = start + budget
     last, status, attempts = "no attempt fitted in the time budget", None, 0
+    asked: float | None = None  # the last reply's Retry-After, in seconds
     for attempt in range(max_retries + 1):
         if attempt:
-            pause = backoff_s * 2 ** (attempt - 1)
+            pause = backoff_s * 2 ** (attempt - 1) if asked is None else asked
             if time.monotonic() + pause >= end:
-                last += f" (the {budget:g} s time budget leaves no room for another attempt)"
+                if asked is None:
+                    last += f" (the {budget:g} s time budget leaves no room for another attempt)"
+                else:  # sleeping first would only fail later: the server said it will not be ready in time
+                    left = max(end - time.monotonic(), 0.0)
+                    last += (
+                        f" (the server asked to wait {asked:g} s before retrying (Retry-After), more than the "
+                        f"{left:.1f} s left of the {budget:g} s time budget)"
+                    )
                 break
             time.sleep(pause)
         began = time.monotonic()
@@ -140,10 +156,11 @@ def post(
         if deadline <= began:
             break
         attempts += 1
+        asked = None  # only a 429/503 reply of this attempt replaces the next backoff
         try:
             return _attempt(url, parts, body, sent, deadline, max_reply_bytes, label, attempts)
         except _Retryable as err:
-            last, status = str(err), err.status
+            last, status, asked = str(err), err.status, err.retry_after
         except TimeoutError:  # a socket timeout, or the deadline passing between two reads
             cut = f" (cut to {deadline - began:.2f} s by the time budget)" if deadline < began + deadline_s else ""
             last, status = f"TimeoutError: no complete reply within the {deadline_s:g} s deadline{cut}", None
@@ -159,11 +176,29 @@ def post(
 
 
 class _Retryable(Exception):
-    """A reply whose status may change on a retry (5xx, 408, 429)."""
+    """A reply whose status may change on a retry (5xx, 408, 429), and the wait its Retry-After asks for."""
 
-    def __init__(self, message: str, status: int) -> None:
+    def __init__(self, message: str, status: int, retry_after: float | None = None) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header value asks to wait: delta-seconds (``"120"``) or an HTTP-date (the
+    time left until it, 0 once past); None for anything else, so that a garbled value falls back to the backoff."""
+    text = (value or "").strip()
+    if text.isascii() and text.isdigit():
+        try:
+            return float(int(text))
+        except (ValueError, OverflowError):  # more digits than int() or a float holds: no sane wait, garbage
+            return None
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):  # not a date either
+        return None
+    if when.tzinfo is None:  # "-0000" parses naive; an HTTP-date is always GMT
+        when = when.replace(tzinfo=UTC)
+    return max((when - datetime.now(UTC)).total_seconds(), 0.0)
 
 
 def _attempt(
@@ -181,7 +216,7 @@ def _attempt(
     reply = None
     try:
         conn.connect()
-        conn.sock = _DeadlineSocket(conn.sock, deadline)  # every later send and read gets the time left
+        conn.sock = DeadlineSocket(conn.sock, deadline)  # every later send and read gets the time left
         conn.request("POST", target, body=body, headers={**headers, **extra})
         reply = conn.getresponse()
         status = reply.status
@@ -199,7 +234,8 @@ def _attempt(
         detail = _detail(reply)
         what = f"HTTP {status} {reply.reason}" + (f": {detail}" if detail else "")
         if status >= 500 or status in RETRIED_STATUSES:
-            raise _Retryable(what, status)
+            wait = retry_after_s(reply.getheader("Retry-After")) if status in RETRY_AFTER_STATUSES else None
+            raise _Retryable(what, status, wait)
         raise RequestRejected(
             f"{where} rejected the request: {what} (attempt {attempt}; a 4xx other than 408/429 is not retried)",
             url,
@@ -282,8 +318,9 @@ def _detail(reply: http.client.HTTPResponse) -> str:
         return ""
 
 
-class _DeadlineSocket:
-    """A connected socket whose every send and receive waits at most until ``deadline``.
+class DeadlineSocket:
+    """A connected socket whose every send and receive waits at most until ``deadline`` (a
+    ``time.monotonic()`` value, which may be moved on: the reward server sets one per request head and body).
 
     ``http.client`` reads a reply through ``sock.makefile("rb")`` and sends with ``sock.sendall``; both
     go through here, and each operation first sets the socket timeout to the time left (raising
@@ -291,15 +328,15 @@ class _DeadlineSocket:
     """
 
     def __init__(self, sock: Any, deadline: float) -> None:
-        self._sock, self._deadline = sock, deadline
+        self._sock, self.deadline = sock, deadline
         # Like a socket's makefile references: http.client closes the connection as soon as a reply
         # that ends with the connection is read, and the reply's reader must keep the socket open.
         self._readers, self._closed = 0, False
 
     def _arm(self) -> None:
-        left = self._deadline - time.monotonic()
+        left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("the request deadline passed")
+            raise TimeoutError("the deadline passed")
         self._sock.settimeout(left)
 
     def sendall(self, data: bytes) -> None:
@@ -333,7 +370,7 @@ class _DeadlineSocket:
 class _DeadlineReader(io.RawIOBase):
     """The raw stream under a reply's buffered reader: each read is one deadline-bound receive."""
 
-    def __init__(self, sock: _DeadlineSocket) -> None:
+    def __init__(self, sock: DeadlineSocket) -> None:
         super().__init__()
         self._sock = sock
 

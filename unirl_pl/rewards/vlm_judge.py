@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from torch import Tensor
 
+from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.http import IMAGE_FORMATS, encode_images
 from unirl_pl.rewards.judge_text import (
     DEFAULT_QUESTION,
@@ -68,7 +69,7 @@ class _Transport(Exception):
     """A request that failed in transport after its retries (the sample gets NaN)."""
 
 
-class VLMJudge:
+class VLMJudge(Reward):
     """Reward from a VLM judge behind an OpenAI-compatible ``/v1/chat/completions`` endpoint.
 
     Args:
@@ -99,7 +100,8 @@ class VLMJudge:
         timeout_s: Seconds one attempt of a request may take, connect, request and whole reply included
             (a server that drips its reply is cut off); retries fit in ``transport.retry_budget``.
         max_retries: Further attempts after a timeout, a dropped connection, a 5xx or a 429.
-        backoff_s: Wait before the first retry; doubles for each one after.
+        backoff_s: Wait before the first retry; doubles for each one after (a 429/503's ``Retry-After``
+            replaces it; one reaching past the retry budget fails that request at once).
         max_tokens: The reply's token limit. Default 512 (room for a short reasoning before the score), or
             the preset's; a reply cut at the limit (``finish_reason: length``) is warned about.
         temperature: Sampling temperature of the judge (0: its most likely answer).
@@ -108,6 +110,8 @@ class VLMJudge:
         api_key_env: Name of an environment variable holding a bearer token (keeps keys out of recipes).
         extra_body: Extra fields merged into every request (``{"top_k": 1}``, ``chat_template_kwargs``).
     """
+
+    name = "vlm_judge"
 
     def __init__(
         self,

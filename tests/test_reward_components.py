@@ -1,0 +1,94 @@
+"""Rewards as components: a term is a ``class_path`` with typed ``init_args`` and a weight, checked when the
+recipe is parsed; the short form (registry name -> weight, ``reward_args``) stays as an alias of the same terms."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from unirl_pl.cli import ConfigError, parse_config
+from unirl_pl.plan.recipe import _rewards
+from unirl_pl.rewards import REGISTRY, Brightness, ContainsWord, Reward, RewardTerm, WeightedSum
+
+JOINT = ["--config", "recipes/joint.yaml"]
+
+
+def _component(reward: str, weight: float, **init_args: object) -> str:
+    args = ", ".join(f"{k}: {v}" for k, v in init_args.items())
+    return f"{{reward: {{class_path: {reward}, init_args: {{{args}}}}}, weight: {weight}}}"
+
+
+def test_a_misspelt_or_mistyped_reward_argument_is_refused_when_the_recipe_is_parsed():
+    bad_name = _component("unirl_pl.rewards.ContainsWord", 1.0, wrod="red")
+    with pytest.raises(ConfigError, match="wrod"):
+        parse_config([*JOINT, f"--model.rewards=[{bad_name}]"])
+    bad_type = _component("unirl_pl.rewards.RefinerFormat", 1.0, max_words="many")
+    with pytest.raises(ConfigError, match="max_words"):
+        parse_config([*JOINT, f"--model.rewards=[{bad_type}]"])
+    with pytest.raises(ConfigError, match="NoSuchReward"):
+        parse_config([*JOINT, f"--model.rewards=[{_component('unirl_pl.rewards.NoSuchReward', 1.0)}]"])
+
+
+def test_the_main_recipe_gives_its_reward_as_a_component():
+    config = parse_config(JOINT)
+    (term,) = config.model.init_args.rewards
+    assert term.reward.class_path == "unirl_pl.rewards.ShapesGenEval"
+    assert term.reward.init_args.penalize_requested_extra is True and term.weight == 1.0
+    assert config.model.init_args.reward_args is None
+
+
+def test_both_forms_build_the_same_terms_and_the_same_reward():
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    prompts, refined = ["a"] * 4, ["a red b", "blue", "red", "x"]
+    short = WeightedSum({"contains_word": 0.5, "brightness": 2.0}, {"contains_word": {"word": "red"}})
+    components = WeightedSum([RewardTerm(ContainsWord(word="red"), weight=0.5), RewardTerm(Brightness(), weight=2.0)])
+    assert components.weights == short.weights == {"contains_word": 0.5, "brightness": 2.0}
+    total_s, parts_s = short(prompts, refined, images)
+    total_c, parts_c = components(prompts, refined, images)
+    assert torch.equal(total_s, total_c) and parts_s.keys() == parts_c.keys()
+    renamed = WeightedSum([RewardTerm(Brightness(channel=0), weight=1.0, name="red_channel")])
+    assert list(renamed.terms) == ["red_channel"]
+
+
+def test_component_terms_refuse_what_would_merge_or_be_ignored():
+    with pytest.raises(ValueError, match="two reward terms are named 'brightness'"):
+        WeightedSum([RewardTerm(Brightness()), RewardTerm(Brightness(channel=1))])
+    with pytest.raises(ValueError, match="reward_args is for the short form"):
+        WeightedSum([RewardTerm(Brightness())], {"brightness": {"channel": 1}})
+    with pytest.raises(ValueError, match="finite"):
+        WeightedSum([RewardTerm(Brightness(), weight=float("nan"))])
+    with pytest.raises(ValueError, match="must be a RewardTerm"):
+        WeightedSum([Brightness()])  # type: ignore[list-item]
+
+
+def _registered_class(alias: str) -> type:
+    factory = REGISTRY[alias]
+    if isinstance(factory, type):
+        return factory
+    return getattr(importlib.import_module(factory.__module__), factory.__name__)
+
+
+@pytest.mark.parametrize("alias", sorted(REGISTRY))
+def test_every_registered_reward_is_a_component_logged_under_its_alias(alias):
+    """A recipe moved from the short form to components keeps its metric names (``reward/<alias>``)."""
+    cls = _registered_class(alias)
+    assert issubclass(cls, Reward) and cls.name == alias
+
+
+def test_plan_reads_component_terms_with_their_class_and_arguments():
+    config = parse_config(JOINT)
+    model = config.model.init_args.as_dict()
+    read = _rewards(model)
+    assert read == {
+        "rewards": {"shapes_geneval": {"score": "soft", "penalize_extra": False, "penalize_requested_extra": True}},
+        "reward_paths": {"shapes_geneval": "unirl_pl.rewards.ShapesGenEval"},
+    }
+    short = parse_config(
+        [*JOINT, "--model.rewards={pickscore: 1.0}", "--model.reward_args={pickscore: {batch_size: 4}}"]
+    )
+    assert _rewards(short.model.init_args.as_dict()) == {
+        "rewards": {"pickscore": {"batch_size": 4}},
+        "reward_paths": {},
+    }

@@ -1,0 +1,57 @@
+"""A reward as a component: the :class:`Reward` base every built-in scorer derives from, and :class:`RewardTerm`,
+one weighted term of a recipe's ``model.rewards``.
+
+A recipe names a term as any other part, by ``class_path`` with typed ``init_args``, so ``--help`` documents a
+reward's arguments and a misspelt or mistyped one is refused when the recipe is parsed, before any model loads::
+
+    rewards:
+      - reward: {class_path: unirl_pl.rewards.PickScore, init_args: {dtype: float32}}
+        weight: 1.0
+      - reward: {class_path: unirl_pl.rewards.RefinerFormat, init_args: {max_words: 24}}
+        weight: 0.2
+
+The short form ``rewards: {pickscore: 1.0}`` with ``reward_args`` stays as an alias (the registry in
+:mod:`unirl_pl.rewards.builtin`). A term's metric name (``reward/<name>``) is its ``name``, else its reward's
+:attr:`Reward.name`, the alias the short form uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+
+class Reward:
+    """A reward: ``reward(prompts, refined_prompts, images) -> one finite number per sample``.
+
+    Subclass it (or write any callable with that signature and give its dotted path) and set :attr:`name`, the
+    term's default metric name. ``images`` are ``(N, 3, H, W)`` in ``[0, 1]`` (videos ``(N, F, 3, H, W)``: a
+    reward without ``accepts_video = True`` gets them frame by frame). A ``metadata`` keyword parameter, when
+    declared, receives each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`).
+    """
+
+    name: ClassVar[str] = ""
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__(prompts, refined_prompts, images)")
+
+
+@dataclass
+class RewardTerm:
+    """One weighted term of the reward.
+
+    Args:
+        reward: The reward, by ``class_path`` and ``init_args`` (any subclass of :class:`Reward`).
+        weight: Its weight in the sum (a finite number; 0 logs the term without training on it).
+        name: Its metric name, ``reward/<name>`` (default: the reward's ``name``, else its class name in lower case).
+    """
+
+    reward: Reward
+    weight: float = 1.0
+    name: str | None = None
+
+    def term_name(self) -> str:
+        """The name this term is logged and reported under."""
+        return self.name or type(self.reward).name or type(self.reward).__name__.lower()
