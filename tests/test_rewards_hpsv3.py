@@ -295,7 +295,9 @@ def test_a_tokenizer_other_than_the_trained_one_is_refused(hps, tmp_path):
 
 # ------------------------------------------------------------------ (e) missing weights
 def test_missing_weights_name_the_reward_and_the_download(hps, tmp_path):
-    with pytest.raises(ValueError, match=r"reward 'hpsv3': no 'HPSv3.safetensors' in .*MizzenAI/HPSv3"):
+    with pytest.raises(
+        ValueError, match=r"reward 'hpsv3': its checkpoint '.*HPSv3.safetensors' is not a file.*MizzenAI/HPSv3"
+    ):
         HPSv3(pretrained_path=str(tmp_path), processor_path=hps["base"])
     with pytest.raises(ValueError, match=r"reward 'hpsv3'.*checkpoint 'HPSv3.safetensors'.*MizzenAI/HPSv3"):
         HPSv3(pretrained_path="nobody/not-hpsv3", processor_path=hps["base"])

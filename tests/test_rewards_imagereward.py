@@ -350,8 +350,11 @@ def test_images_are_resized_on_their_shorter_side_then_centre_cropped(scorer, wi
 # ------------------------------------------------------------------ missing weights
 def test_missing_weights_are_errors_that_say_what_to_download(files, tmp_path):
     common = {"tokenizer_path": files["bert"], "blip_config_path": files["blip"]}
-    need = r"reward 'imagereward' needs its checkpoint, ImageReward-v1.0's ImageReward.pt, from https://huggingface.co/THUDM/ImageReward"
-    with pytest.raises(ValueError, match=need + r": '.*ImageReward.pt' is not a file"):
+    need = (
+        r"reward 'imagereward': its checkpoint '.*ImageReward.pt' is not a file; it is ImageReward-v1.0's "
+        r"ImageReward.pt, from https://huggingface.co/THUDM/ImageReward"
+    )
+    with pytest.raises(ValueError, match=need):
         ImageReward(pretrained_path=str(tmp_path), **common)  # a folder without the checkpoint
     with pytest.raises(ValueError, match=need):
         ImageReward(pretrained_path=str(tmp_path / "gone" / "ImageReward.pt"), **common)

@@ -46,6 +46,31 @@ def load_or_explain(reward: str, what: str, path: str, load: Callable[[], T]) ->
         ) from err
 
 
+def checkpoint_path(reward: str, pretrained_path: str, checkpoint_file: str, where: str) -> str:
+    """The weights file a reward loads: ``pretrained_path`` itself when it is a file; ``checkpoint_file`` inside
+    it when it is a folder (or a path that looks local: absolute, ``.`` or ``~``), which must exist; else
+    ``checkpoint_file`` of the hub repo it names (from the cache when offline). ``where`` says where to get it."""
+    path = Path(pretrained_path).expanduser()
+    if path.is_file():
+        return str(path)
+    if path.is_dir() or path.is_absolute() or pretrained_path.startswith((".", "~")):
+        file = path / checkpoint_file if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(
+                f"reward {reward!r}: its checkpoint {str(file)!r} is not a file; it is {where}. Download it and "
+                "set pretrained_path to the file or its folder (or to the hub id when it is in the cache)"
+            )
+        return str(file)
+    from huggingface_hub import hf_hub_download
+
+    return load_or_explain(
+        reward,
+        f"checkpoint {checkpoint_file!r} (pretrained_path; {where})",
+        pretrained_path,
+        lambda: hf_hub_download(pretrained_path, checkpoint_file),
+    )
+
+
 def torch_dtype(reward: str, dtype: str) -> torch.dtype:
     """The torch dtype named by ``dtype`` (``float32``, ``float16``, ``bfloat16``)."""
     if dtype not in DTYPES:

@@ -7,14 +7,13 @@ CLIPModel's layout and scored with :class:`unirl_pl.rewards.clip_models.CLIPRewa
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unirl_pl.rewards.clip_models import CLIPReward, load_or_explain, load_state_dict_file, quantize
+from unirl_pl.rewards.clip_models import CLIPReward, checkpoint_path, load_or_explain, load_state_dict_file, quantize
 
 
 def open_clip_to_transformers(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -95,18 +94,8 @@ class HPSv2(CLIPReward):
         super().__init__(pretrained_path, clip_path, **kwargs)
 
     def _checkpoint(self) -> str:
-        path = Path(self.pretrained_path)
-        if path.is_file():
-            return str(path)
-        if path.is_dir():
-            return str(path / self.checkpoint_file)
-        from huggingface_hub import hf_hub_download
-
-        return load_or_explain(
-            self.name,
-            f"checkpoint {self.checkpoint_file!r} (pretrained_path)",
-            self.pretrained_path,
-            lambda: hf_hub_download(self.pretrained_path, self.checkpoint_file),
+        return checkpoint_path(
+            self.name, self.pretrained_path, self.checkpoint_file, "released in the hub repo xswu/HPSv2"
         )
 
     def load(self) -> tuple[Any, Any]:

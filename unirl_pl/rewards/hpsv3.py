@@ -36,7 +36,14 @@ from PIL import Image
 from torch import Tensor, nn
 
 from unirl_pl.rewards.base import Reward
-from unirl_pl.rewards.clip_models import PromptChoice, load_or_explain, load_state_dict_file, quantize, torch_dtype
+from unirl_pl.rewards.clip_models import (
+    PromptChoice,
+    checkpoint_path,
+    load_or_explain,
+    load_state_dict_file,
+    quantize,
+    torch_dtype,
+)
 
 REWARD_TOKEN = "<|Reward|>"
 # The instruction and the closing line of ``hpsv3/dataset/data_collator_qwen.py`` (``INSTRUCTION`` and
@@ -224,24 +231,12 @@ class HPSv3(Reward):
 
     # ------------------------------------------------------------------ loading
     def _checkpoint(self) -> str:
-        path = Path(self.pretrained_path)
-        if path.is_file():
-            return str(path)
-        if path.is_dir():
-            if not (path / self.checkpoint_file).is_file():
-                raise ValueError(
-                    f"reward 'hpsv3': no {self.checkpoint_file!r} in {str(path)!r}: download it from the hub "
-                    f"repo MizzenAI/HPSv3 (huggingface-cli download MizzenAI/HPSv3 {self.checkpoint_file} "
-                    f"--local-dir {path})"
-                )
-            return str(path / self.checkpoint_file)
-        from huggingface_hub import hf_hub_download
-
-        return load_or_explain(
+        return checkpoint_path(
             self.name,
-            f"checkpoint {self.checkpoint_file!r} (pretrained_path; released in the hub repo MizzenAI/HPSv3)",
             self.pretrained_path,
-            lambda: hf_hub_download(self.pretrained_path, self.checkpoint_file),
+            self.checkpoint_file,
+            "released in the hub repo MizzenAI/HPSv3: huggingface-cli download MizzenAI/HPSv3 "
+            f"{self.checkpoint_file} --local-dir <folder>",
         )
 
     def _chat_template(self) -> str:

@@ -17,7 +17,6 @@ The key renames follow transformers' ``models/blip/convert_blip_original_pytorch
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,6 +27,7 @@ from torch import Tensor, nn
 from unirl_pl.rewards.clip_models import (
     AestheticMLP,
     CLIPReward,
+    checkpoint_path,
     load_or_explain,
     load_state_dict_file,
     quantize,
@@ -205,25 +205,7 @@ class ImageReward(CLIPReward):
         super().__init__(pretrained_path, tokenizer_path, **kwargs)
 
     def _checkpoint(self) -> str:
-        path = Path(self.pretrained_path).expanduser()
-        if path.is_file():
-            return str(path)
-        if path.is_dir() or path.is_absolute() or self.pretrained_path.startswith((".", "~")):
-            file = path / self.checkpoint_file if path.is_dir() else path
-            if not file.is_file():
-                raise ValueError(
-                    f"reward 'imagereward' needs its checkpoint, {WHERE}: {str(file)!r} is not a file. Download it "
-                    "and set pretrained_path to the file or its folder (or to the hub id when it is in the cache)"
-                )
-            return str(file)
-        from huggingface_hub import hf_hub_download
-
-        return load_or_explain(
-            self.name,
-            f"checkpoint {self.checkpoint_file!r} (pretrained_path; {WHERE})",
-            self.pretrained_path,
-            lambda: hf_hub_download(self.pretrained_path, self.checkpoint_file),
-        )
+        return checkpoint_path(self.name, self.pretrained_path, self.checkpoint_file, WHERE)
 
     def load(self) -> tuple[ImageRewardModel, BertTokenizer]:
         from transformers import BertTokenizer, BlipConfig, BlipTextModel, BlipVisionModel
