@@ -92,3 +92,13 @@ def test_plan_reads_component_terms_with_their_class_and_arguments():
         "rewards": {"pickscore": {"batch_size": 4}},
         "reward_paths": {},
     }
+
+
+@pytest.mark.parametrize("form", ["short", "component"])
+def test_plan_names_the_in_process_rewards_it_does_not_count(form):
+    from unirl_pl.plan.rewards import planned_rewards
+
+    for name, path in {"imagereward": "unirl_pl.rewards.ImageReward", "hpsv3": "unirl_pl.rewards.HPSv3"}.items():
+        paths = {name: path} if form == "component" else None
+        (term,) = planned_rewards({name: {}}, None, paths)
+        assert "NOT counted" in term.line() and not term.on_device, term.line()

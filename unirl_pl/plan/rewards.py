@@ -83,6 +83,12 @@ HOST_REWARDS: dict[str, str] = {
 }
 """Where the other registered rewards score (none holds a model on the trainer's device)."""
 
+UNTRACED_DEVICE_REWARDS: dict[str, str] = {
+    "imagereward": "its BLIP (ViT-L/16 + BERT-base) in the trainer's process, NOT counted by this plan",
+    "hpsv3": "its Qwen2-VL-7B in the trainer's process, NOT counted by this plan",
+}
+"""In-process rewards whose models the plan does not build yet: named, so a plan never passes them off as free."""
+
 
 @dataclass
 class PlannedReward:
@@ -97,6 +103,7 @@ class PlannedReward:
         parameters: Its parameter count.
         weight_bytes: Bytes of its parameters and buffers on the device.
         batch_size: Images per forward.
+        untraced: The term holds a model on the device that this plan does not build (its memory is missing).
     """
 
     name: str
@@ -106,6 +113,7 @@ class PlannedReward:
     parameters: int = 0
     weight_bytes: int = 0
     batch_size: int = 0
+    untraced: bool = False
 
     @property
     def on_device(self) -> bool:
@@ -114,6 +122,8 @@ class PlannedReward:
 
     def line(self) -> str:
         """The report's line for this term."""
+        if self.untraced:
+            return f"reward {self.name}: {self.where}: add its weights to the peak by hand"
         if not self.on_device:
             return f"reward {self.name}: scored by {self.where}; no model on the device"
         return (
@@ -247,6 +257,10 @@ def planned_rewards(
     for name, kwargs in rewards.items():
         path = (paths or {}).get(name) or DEVICE_REWARDS.get(name, name if "." in name else "")
         cls = _class(path) if path else None
+        untraced = UNTRACED_DEVICE_REWARDS.get(getattr(cls, "name", None) or name)
+        if untraced is not None:
+            out.append(PlannedReward(name, untraced, untraced=True))
+            continue
         if not (isinstance(cls, type) and issubclass(cls, CLIPReward)):
             where = HOST_REWARDS.get(name, "a custom reward the plan does not trace")
             out.append(PlannedReward(name, where))
