@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from tests.chat_lm import make_qwen2_chat_lm  # noqa: E402
 from tests.pipelines import make_flux_pipeline, make_sd3_pipeline, make_wan_pipeline  # noqa: E402
+from unirl_pl.card import Loop  # noqa: E402
 from unirl_pl.cli import main  # noqa: E402
 from unirl_pl.data import PromptBatch  # noqa: E402
 from unirl_pl.loops.config import chunk_bounds  # noqa: E402
@@ -163,8 +164,8 @@ def measure(family: str, folder: Path, refiner: str, dtype: str, args: argparse.
     batch = PromptBatch(prompts, list(range(args.prompts)), seed=dm.seed, layout=dm.layout)
     exp = model.source.collect(batch, model.device)
     out: dict[str, dict] = {}
-    dit = exp.dit
-    assert dit is not None, "the generator trains in this mode, so rollout records its SDE steps"
+    dit = exp.records.get(Loop.DENOISE)
+    assert isinstance(dit, DiTRecord), "the generator trains in this mode, so rollout records its SDE steps"
     eps = model.loss_settings("transformer").clip_eps
     ones = torch.ones_like(dit.old_logp, dtype=torch.bool)
     for name, chunk in (("same", None), ("chunk1", 1), ("chunk2", 2)):
