@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import ROOT, subprocess_env
 from unirl_pl.commands import TOOLS, overview, run_before_lightning, subcommands
 
-EVERY = ("fit", "validate", "predict", "ablate", "bench", "export", "plan", "serve-reward")
+EVERY = ("fit", "validate", "predict", "ablate", "bench", "export", "plan", "rewards", "serve-reward")
 
 
 @pytest.mark.integration

@@ -102,3 +102,20 @@ def test_plan_names_the_in_process_rewards_it_does_not_count(form):
         paths = {name: path} if form == "component" else None
         (term,) = planned_rewards({name: {}}, None, paths)
         assert "NOT counted" in term.line() and not term.on_device, term.line()
+
+
+def test_the_rewards_command_lists_every_reward_and_shows_one_s_arguments(capsys):
+    from unirl_pl.commands import run_before_lightning
+
+    assert run_before_lightning(["rewards"]) == 0
+    listing = capsys.readouterr().out
+    for alias in REGISTRY:
+        cls = _registered_class(alias)
+        assert f"{cls.__module__}.{cls.__qualname__}" in listing and f"\n{alias} " in listing
+    assert run_before_lightning(["rewards", "refiner_format"]) == 0
+    help_text = capsys.readouterr().out
+    assert "--max_words MAX_WORDS" in help_text and "default: 16" in help_text and "Most words" in help_text
+    assert run_before_lightning(["rewards", "unirl_pl.rewards.ContainsWord"]) == 0
+    assert "--word WORD" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no reward 'no_such'"):
+        run_before_lightning(["rewards", "no_such"])
