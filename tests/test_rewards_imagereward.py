@@ -368,11 +368,12 @@ def test_missing_weights_are_errors_that_say_what_to_download(files, tmp_path):
         ImageReward(pretrained_path=files["weights"], tokenizer_path=str(tmp_path / "no-bert"))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_the_model_follows_the_images_to_the_gpu(scorer):
+def test_the_model_follows_the_images_device(scorer):
     images, texts = _images(3, seed=7), PROMPTS[:3]
     cpu = scorer(texts, texts, images)
-    gpu = scorer(texts, texts, images.cuda())
-    assert next(scorer.model.parameters()).is_cuda and next(scorer.model.mlp.parameters()).is_cuda
-    assert gpu == pytest.approx(cpu, abs=1e-4)
-    scorer(texts, texts, images)  # and back, for the tests after this one
+    assert next(scorer.model.parameters()).device == images.device
+    if torch.cuda.is_available():  # on the GPU machine: moved to the images' GPU, the same scores
+        gpu = scorer(texts, texts, images.cuda())
+        assert next(scorer.model.parameters()).is_cuda and next(scorer.model.mlp.parameters()).is_cuda
+        assert gpu == pytest.approx(cpu, abs=1e-4)
+        scorer(texts, texts, images)  # and back, for the tests after this one
