@@ -17,6 +17,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "unirl_pl"
 PROJECT = "unirl_pl"
@@ -127,3 +129,22 @@ def test_the_reader_expands_extras_and_normalizes_names():
     assert requirement_name("unirl_pl[ocr, tb]") == ("unirl-pl", ["ocr", "tb"])
     assert normalize("PyYAML") == "pyyaml" and normalize("huggingface_hub") == "huggingface-hub"
     assert distributions("yaml") == {"pyyaml"}
+
+
+def test_ci_pins_every_dependency_at_its_declared_floor(tmp_path):
+    """.ci/run installs the floors scripts/floor_constraints.py prints: one per dependency, its '>=' bound."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("floor_constraints", ROOT / "scripts" / "floor_constraints.py")
+    assert spec is not None and spec.loader is not None
+    floor_constraints = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor_constraints)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    pinned = floor_constraints.floors()
+    assert [normalize(requirement_name(r)[0]) for r in project["dependencies"]] == [normalize(n) for n in pinned]
+    assert pinned["torch"] == "2.13" and pinned["transformers"] == "5.24"
+    assert "floor_constraints.py" in (ROOT / ".ci" / "run").read_text()
+    unbounded = tmp_path / "pyproject.toml"
+    unbounded.write_text('[project]\nname = "x"\ndependencies = ["torch>=2.13", "rich"]\n')
+    with pytest.raises(ValueError, match="'rich': every dependency needs exactly one '>=' lower bound"):
+        floor_constraints.floors(unbounded)
