@@ -119,3 +119,16 @@ def test_the_rewards_command_lists_every_reward_and_shows_one_s_arguments(capsys
     assert "--word WORD" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no reward 'no_such'"):
         run_before_lightning(["rewards", "no_such"])
+
+
+def test_the_docs_table_names_every_reward_with_the_class_it_aliases():
+    import re
+    from pathlib import Path
+
+    from unirl_pl.rewards.catalog import reward_class
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z0-9_]+)` \| `([A-Za-z0-9_.]+)` \|", text, flags=re.MULTILINE))
+    assert set(rows) == set(REGISTRY), "one row per registered reward"
+    for alias, path in rows.items():
+        assert reward_class(path) is _registered_class(alias), alias
