@@ -98,10 +98,35 @@ def test_plan_reads_component_terms_with_their_class_and_arguments():
 def test_plan_names_the_in_process_rewards_it_does_not_count(form):
     from unirl_pl.plan.rewards import planned_rewards
 
-    for name, path in {"imagereward": "unirl_pl.rewards.ImageReward", "hpsv3": "unirl_pl.rewards.HPSv3"}.items():
-        paths = {name: path} if form == "component" else None
-        (term,) = planned_rewards({name: {}}, None, paths)
-        assert "NOT counted" in term.line() and not term.on_device, term.line()
+    paths = {"hpsv3": "unirl_pl.rewards.HPSv3"} if form == "component" else None
+    (term,) = planned_rewards({"hpsv3": {}}, None, paths)
+    assert "NOT counted" in term.line() and term.untraced and not term.on_device, term.line()
+
+
+@pytest.mark.parametrize("form", ["short", "component"])
+def test_plan_counts_imagerewards_blip_on_the_device_and_traces_its_scoring(form):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unirl_pl.plan.rewards import planned_rewards, reward_models, score
+    from unirl_pl.rewards.imagereward import imagereward_blip_config
+
+    mode = FakeTensorMode()
+    paths = {"imagereward": "unirl_pl.rewards.ImageReward"} if form == "component" else None
+    (term,) = planned_rewards({"imagereward": {"dtype": "bfloat16", "batch_size": 4}}, mode, paths)
+    assert term.on_device and not term.untraced and term.batch_size == 4
+    config = imagereward_blip_config()
+    with torch.device("meta"):
+        from transformers import BlipTextModel, BlipVisionModel
+
+        expected = sum(p.numel() for p in BlipVisionModel(config.vision_config).parameters())
+        expected += sum(p.numel() for p in BlipTextModel(config.text_config, add_pooling_layer=False).parameters())
+    head = sum(p.numel() for p in term.scorer.model.mlp.parameters())
+    assert term.parameters == expected + head
+    buffers = sum(b.numel() * b.element_size() for b in term.scorer.model.buffers())  # the text position ids
+    assert term.weight_bytes == 2 * expected + 4 * head + buffers, "the BLIP in bf16, the head in float32"
+    assert [m for m in reward_models([term])] == [term.scorer.model]
+    with mode:
+        score([term], torch.rand(6, 3, 512, 512), ["a cat"] * 6)  # traced: the BLIP runs on fake tensors
 
 
 def test_the_rewards_command_lists_every_reward_and_shows_one_s_arguments(capsys):

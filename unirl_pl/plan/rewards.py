@@ -2,7 +2,8 @@
 model at its real size on fake tensors, and the scoring the step runs between the VAE decode and the update.
 
 The in-process scorers (``pickscore``, ``clip_score``, ``aesthetic``, ``hpsv2``, or a dotted path to another
-:class:`~unirl_pl.rewards.clip_models.CLIPReward`) load a ``transformers`` CLIPModel and move it to the device
+:class:`~unirl_pl.rewards.clip_models.CLIPReward`) load a ``transformers`` CLIPModel (``imagereward`` its BLIP,
+built from ImageReward-v1.0's config; ``hpsv3``'s Qwen2-VL-7B is named as not counted) and move it to the device
 the images arrive on at their first call, where it stays: its weights are resident in every phase of the
 steady-state step, and its forwards (``batch_size`` images at a time, one text at a time) run in the
 ``reward`` phase through the reward's own ``score_images``. The CLIP config is read from a local folder's
@@ -29,6 +30,7 @@ from unirl_pl.plan.models import default_dtype, to_fake
 from unirl_pl.rewards.clip_models import Aesthetic, AestheticMLP, CLIPReward, quantize
 from unirl_pl.rewards.frames import score_video_frames
 from unirl_pl.rewards.hpsv2 import HPSv2
+from unirl_pl.rewards.imagereward import ImageReward, ImageRewardModel, imagereward_blip_config
 
 # The public CLIP checkpoints the in-process rewards load, by their config.json (the hub repositories'):
 # ViT-H/14 (laion/CLIP-ViT-H-14-laion2B-s32B-b79K; PickScore_v1 and HPSv2 fine-tune the same shape),
@@ -67,6 +69,7 @@ DEVICE_REWARDS: dict[str, str] = {
     "clip_score": "unirl_pl.rewards.clip_models.CLIPScore",
     "aesthetic": "unirl_pl.rewards.clip_models.Aesthetic",
     "hpsv2": "unirl_pl.rewards.hpsv2.HPSv2",
+    "imagereward": "unirl_pl.rewards.imagereward.ImageReward",
 }
 """The registered rewards that run a torch model in the trainer's process."""
 
@@ -84,7 +87,6 @@ HOST_REWARDS: dict[str, str] = {
 """Where the other registered rewards score (none holds a model on the trainer's device)."""
 
 UNTRACED_DEVICE_REWARDS: dict[str, str] = {
-    "imagereward": "its BLIP (ViT-L/16 + BERT-base) in the trainer's process, NOT counted by this plan",
     "hpsv3": "its Qwen2-VL-7B in the trainer's process, NOT counted by this plan",
 }
 """In-process rewards whose models the plan does not build yet: named, so a plan never passes them off as free."""
@@ -210,20 +212,26 @@ def _host_pixels(scorer: CLIPReward):
 
 
 def build_scorer(cls: type, kwargs: dict[str, Any], mode: FakeTensorMode | None) -> tuple[CLIPReward, str]:
-    """``cls``'s scorer with its CLIP model at real size: fake in ``mode`` (random weights on the CPU when
-    ``mode`` is None, to check a plan); the reward's own settings (``dtype``, ``batch_size``, ``prompt``,
-    frame sampling) as ``kwargs`` give them. Returns the scorer and its model in words."""
-    config, what = clip_config(cls, kwargs)
+    """``cls``'s scorer with its CLIP model (ImageReward: its BLIP) at real size: fake in ``mode`` (random
+    weights on the CPU when ``mode`` is None, to check a plan); the reward's own settings (``dtype``,
+    ``batch_size``, ``prompt``, frame sampling) as ``kwargs`` give them. Returns the scorer and its model in
+    words."""
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}.get(
         kwargs.get("dtype", "float32"), torch.float32
     )
-    with torch.device("meta"), default_dtype(dtype):
-        model = CLIPModel(config)
+    model: torch.nn.Module
+    if issubclass(cls, ImageReward):
+        model, what = _imagereward_model(kwargs, dtype)
+    else:
+        config, what = clip_config(cls, kwargs)
+        with torch.device("meta"), default_dtype(dtype):
+            model = CLIPModel(config)
     modules: list[torch.nn.Module] = [model]
     scorer = cls.__new__(cls)
     # CLIPReward's own constructor with the model given instead of loaded (the subclass constructors read
     # weight files); the subclass settings its scores read are set after it.
-    scorer.load = lambda: (model, _Processor())  # type: ignore[method-assign]
+    processor = _Tokenizer() if issubclass(cls, ImageReward) else _Processor()
+    scorer.load = lambda: (model, processor)  # type: ignore[method-assign]
     settings = ("prompt", "batch_size", "dtype", "frame_stride", "frame_reduce")
     CLIPReward.__init__(scorer, "plan", "plan", **{k: kwargs[k] for k in settings if k in kwargs})
     scorer.scale, scorer.clamp_negative = float(kwargs.get("scale", 1.0)), bool(kwargs.get("clamp_negative", False))
@@ -242,9 +250,29 @@ def build_scorer(cls: type, kwargs: dict[str, Any], mode: FakeTensorMode | None)
     else:
         for module in modules:
             module.to_empty(device="cpu")
-        for embeddings in (model.vision_model.embeddings, model.text_model.embeddings):
-            embeddings.position_ids.copy_(torch.arange(embeddings.position_ids.shape[-1]))  # the one index input
+        for module in model.modules():  # the index inputs to_empty left uninitialized
+            ids = getattr(module, "position_ids", None)
+            if isinstance(ids, Tensor):
+                ids.copy_(torch.arange(ids.shape[-1]).expand_as(ids))
     return scorer, what
+
+
+def _imagereward_model(kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[ImageRewardModel, str]:
+    """ImageReward's BLIP (ViT + text encoder with cross-attention) and head on the meta device, from its
+    ``blip_config_path`` folder or ImageReward-v1.0's config (the head in float32, as the reward keeps it)."""
+    from transformers import BlipConfig, BlipTextModel, BlipVisionModel
+
+    path = kwargs.get("blip_config_path")
+    if path and (Path(str(path)).expanduser() / "config.json").is_file():
+        config, what = BlipConfig.from_pretrained(str(path)), f"BLIP from {path}"
+    else:
+        config, what = imagereward_blip_config(), "ImageReward-v1.0's BLIP (ViT-L/16 + BERT-base)"
+    with torch.device("meta"), default_dtype(dtype):
+        vision = BlipVisionModel(config.vision_config)
+        text = BlipTextModel(config.text_config, add_pooling_layer=False)
+    with torch.device("meta"):
+        mlp = AestheticMLP(config.text_config.hidden_size)
+    return ImageRewardModel(config, vision, text, mlp).requires_grad_(False).eval(), what
 
 
 def planned_rewards(
