@@ -56,7 +56,7 @@ def test_the_retry_waits_as_long_as_retry_after_asks(peer, status: str):
     reward = HTTPReward(server.url, timeout_s=2.0, max_retries=2, backoff_s=0.01)  # the backoff alone: 0.01 s
     start = time.monotonic()
     assert reward(["p"], ["r"], _blank()) == [0.25]
-    assert 0.95 <= time.monotonic() - start < 1.8 and len(server.requests) == 2
+    assert 0.95 <= time.monotonic() - start < 4.0 and len(server.requests) == 2  # upper: room for a loaded CI
 
 
 def test_a_wait_past_the_budget_fails_at_once_saying_what_was_asked(peer):
@@ -64,7 +64,7 @@ def test_a_wait_past_the_budget_fails_at_once_saying_what_was_asked(peer):
     start = time.monotonic()
     with pytest.raises(TransportFailed, match=r"asked to wait 100 s .*Retry-After.* left of the 5 s") as err:
         post(server.url, b"{}", deadline_s=1.0, max_retries=3, backoff_s=0.01, total_s=5.0)
-    assert time.monotonic() - start < 0.8, "it must not sleep before failing"
+    assert time.monotonic() - start < 3.0, "it must not sleep before failing (the budget left is 5 s)"
     assert (err.value.attempts, err.value.status, len(server.requests)) == (1, 429, 1)
     assert "HTTP 429 Too Many Requests: busy" in str(err.value)
 
@@ -86,11 +86,12 @@ def test_retry_after_on_another_status_is_ignored(peer):
 
 
 def test_retry_after_sets_only_the_next_wait(peer):
-    # 0 s after the 429, then the dropped connection waits the second backoff (2 * 0.4 s), not the 429's 0 s.
+    # 0 s after the 429, then the dropped connection waits the second backoff (2 * 1 s), not the 429's 0 s:
+    # 2 s in all (the backoff after the 429 too would make it 3 s; the 429's 0 s twice, 0 s).
     server = peer(_raw("429 Too Many Requests", retry_after="0"), None, _raw("200 OK", OK))
     start = time.monotonic()
-    assert post(server.url, b"{}", deadline_s=1.0, max_retries=2, backoff_s=0.4, total_s=5.0) == OK
-    assert 0.78 <= time.monotonic() - start < 1.3 and len(server.requests) == 3
+    assert post(server.url, b"{}", deadline_s=1.0, max_retries=2, backoff_s=1.0, total_s=8.0) == OK
+    assert 1.95 <= time.monotonic() - start < 2.8 and len(server.requests) == 3
 
 
 def test_an_http_date_is_a_wait_until_then(peer):
@@ -98,7 +99,7 @@ def test_an_http_date_is_a_wait_until_then(peer):
     past = peer(_raw("503 Service Unavailable", retry_after="Wed, 21 Oct 2015 07:28:00 GMT"), _raw("200 OK", OK))
     start = time.monotonic()
     assert post(past.url, b"{}", deadline_s=1.0, max_retries=1, backoff_s=3.0) == OK
-    assert time.monotonic() - start < 1.0 and len(past.requests) == 2
+    assert time.monotonic() - start < 2.5 and len(past.requests) == 2
     future = peer(_raw("503 Service Unavailable", retry_after="Fri, 01 Jan 2100 00:00:00 GMT"), _raw("200 OK", OK))
     with pytest.raises(TransportFailed, match="asked to wait"):
         post(future.url, b"{}", deadline_s=1.0, max_retries=1, backoff_s=0.01, total_s=5.0)
