@@ -311,7 +311,7 @@ def test_a_trickling_reply_fails_at_the_deadline(scripted, drip):
     start = time.monotonic()
     with pytest.raises(TransportFailed, match="after 1 attempt .*no complete reply within the 1 s deadline") as err:
         HTTPReward(peer.url, timeout_s=1.0, max_retries=0)(["p"], ["r"], _images(1))
-    assert time.monotonic() - start < 1.5
+    assert time.monotonic() - start < 5.0  # the drip alone lasts 30 s; the margin is for a loaded CI
     assert peer.url in str(err.value) and len(peer.requests) == 1
 
 
@@ -331,7 +331,7 @@ def test_an_explicit_total_budget_cuts_the_retries_short(scripted):
     with pytest.raises(TransportFailed, match="0.8 s time budget") as err:
         post(peer.url, b"{}", deadline_s=0.5, max_retries=5, backoff_s=0.05, total_s=0.8)
     # 0.5 s, a 0.05 s wait, then the second attempt gets only what is left of the 0.8 s; no third one.
-    assert time.monotonic() - start < 1.2 and err.value.attempts == 2 and len(peer.requests) == 2
+    assert time.monotonic() - start < 2.0 and err.value.attempts == 2 and len(peer.requests) == 2
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
@@ -353,7 +353,7 @@ def test_a_reply_declared_over_the_cap_is_refused_unread(scripted):
     with pytest.raises(RewardServerError, match="larger than the 1000-byte cap") as err:
         HTTPReward(peer.url, max_reply_bytes=1000, **FAST)(["p"], ["r"], _images(1))
     assert not isinstance(err.value, TransportFailed | RequestRejected)
-    assert time.monotonic() - start < 1.0 and len(peer.requests) == 1
+    assert time.monotonic() - start < 1.8 and len(peer.requests) == 1  # waiting for the body: 2 s x 3 attempts
 
 
 @pytest.mark.parametrize(
