@@ -86,7 +86,8 @@ def reward_moments(exp: Experience) -> dict[tuple[str, str | None], tuple[float,
     their finite values, and with ``exp.count_unscored`` each term's unscored fraction over all its samples.
     Each number is computed as one process has always logged it (the total in float32, the terms in float64)."""
     finite = exp.rewards[exp.rewards.isfinite()]
-    rows = {("reward/mean", "reward/std"): (len(finite), float(finite.mean()), float(finite.std(unbiased=False)))}
+    total = (len(finite), float(exp.rewards.nanmean()), float(finite.std(unbiased=False)))
+    rows = {("reward/mean", "reward/std"): total}
     stats = term_stats(exp.reward_parts, unscored=exp.count_unscored)
     for name, values in exp.reward_parts.items():
         scored = int(values.isfinite().sum())

@@ -327,10 +327,9 @@ class UniRLModule(pl.LightningModule):
             metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), rewards, records))
             metrics["train/skipped_steps"] = float(self.skipped_steps)
             log_step(self.trainer, metrics, step, self.device, pooled=rewards)
-            one_rank = self.trainer.world_size == 1
             self.log(
                 "reward/mean",
-                exp.rewards.nanmean() if one_rank else torch.tensor(rewards["reward/mean"], dtype=torch.float32),
+                torch.tensor(rewards["reward/mean"], dtype=torch.float32),
                 prog_bar=True,
                 on_step=True,
                 batch_size=len(exp.prompts),

@@ -23,6 +23,7 @@ from unirl_pl.cli import parse_config
 from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.loops import RolloutConfig
 from unirl_pl.method import ExpertLoss
+from unirl_pl.rewards.base import reward_name
 
 # What ``model.transformer_optimizer`` / ``model.llm_optimizer`` is once parsed: the module's default (a
 # function of the parameters) or the class a recipe names with its init_args bound.
@@ -214,7 +215,6 @@ def _rewards(model: dict[str, Any]) -> dict[str, Any]:
     for term in terms:
         reward = term["reward"]
         path = reward["class_path"]
-        cls = import_class(path)
-        name = term.get("name") or getattr(cls, "name", "") or cls.__name__.lower()
+        name = reward_name(import_class(path), term.get("name"))
         rewards[name], paths[name] = dict(reward.get("init_args") or {}), path
     return {"rewards": rewards, "reward_paths": paths}

@@ -23,6 +23,11 @@ from typing import Any, ClassVar
 from torch import Tensor
 
 
+def reward_name(reward_class: type, name: str | None = None) -> str:
+    """A term's metric name: ``name`` when given, else the class's :attr:`Reward.name`, else its name in lower case."""
+    return name or getattr(reward_class, "name", "") or reward_class.__name__.lower()
+
+
 class Reward:
     """A reward: ``reward(prompts, refined_prompts, images) -> one finite number per sample``.
 
@@ -54,4 +59,4 @@ class RewardTerm:
 
     def term_name(self) -> str:
         """The name this term is logged and reported under."""
-        return self.name or type(self.reward).name or type(self.reward).__name__.lower()
+        return reward_name(type(self.reward), self.name)
