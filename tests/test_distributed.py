@@ -41,7 +41,8 @@ STEP = [
 ]
 
 
-def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
+def _fit(tmp_path: Path, name: str, *extra: str, full: bool = False) -> dict[str, torch.Tensor]:
+    """One RL step's trained tensors from the checkpoint: the adapters, or (``full``) every saved weight."""
     ckpts = tmp_path / name
     run_cli_subprocess(
         "fit",
@@ -59,7 +60,7 @@ def _fit(tmp_path: Path, name: str, *extra: str) -> dict[str, torch.Tensor]:
     (ckpt,) = ckpts.glob("*.ckpt")
     state = torch.load(ckpt, weights_only=True)
     assert state["unirl_versions"]["llm"] == 2 and state["unirl_versions"]["transformer"] == 2, "2 mini-batches"
-    return {k: v.float() for k, v in state["state_dict"].items() if "lora_" in k}
+    return {k: v.float() for k, v in state["state_dict"].items() if full or "lora_" in k}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,23 @@ def test_two_ranks_match_one_process(tmp_path, single, name, overlay, extra):
     diff = _max_diff(single, multi)
     print(f"{name} parity max abs diff: {diff:.3e}")
     assert diff <= 1e-6, f"{name}: 2-rank update differs from 1-process update by {diff:.3e}"
+
+
+FULL = [
+    "--model.llm.init_args.finetune=full",
+    "--model.generator.init_args.transformer.init_args.finetune=full",
+]
+
+
+def test_full_fine_tune_on_two_fsdp2_ranks_matches_one_process(tmp_path):
+    """Both experts fully fine-tuned: the policy and its frozen reference copy sharded on 2 ranks give the
+    update of one process (the KL reference forward runs on the sharded copy)."""
+    single = _fit(tmp_path, "full-single", *FULL, full=True)
+    multi = _fit(tmp_path, "full-fsdp2", "--config", str(ROOT / "recipes" / "fsdp.yaml"), *FULL, full=True)
+    assert any(k.endswith("q_proj.weight") for k in single), "the checkpoint holds the full weights"
+    diff = _max_diff(single, multi)
+    print(f"full fine-tune fsdp2 parity max abs diff: {diff:.3e}")
+    assert diff <= 1e-6, f"full fine-tune: 2-rank update differs from 1-process update by {diff:.3e}"
 
 
 # Adam, not STEP's plain SGD: Lightning's FSDP2 full-checkpoint loader crashes on an empty optimizer state.

@@ -266,7 +266,7 @@ def refill_trimmed(checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
 def run_identity(module: Any) -> dict[str, Any]:
     """What a resumed run must share with the run that wrote the checkpoint, as a flat dict of plain values.
 
-    Keys: ``mode``, ``trained`` (the trained experts), ``<expert>.lora_rank`` / ``.lora_alpha`` /
+    Keys: ``mode``, ``trained`` (the trained experts), ``<expert>.finetune``, ``<expert>.lora_rank`` / ``.lora_alpha`` /
     ``.lora_targets`` for every expert present (a frozen expert's adapter is in the checkpoint too),
     ``<expert>.optimizer`` and ``<expert>.lr`` for every trained expert, and ``data.seed`` when a
     datamodule with a ``seed`` is attached. Optimizers are read by building each expert's optimizer
@@ -276,6 +276,8 @@ def run_identity(module: Any) -> dict[str, Any]:
     """
     identity: dict[str, Any] = {"mode": module.mode, "trained": list(module.trained)}
     for name, expert in module.experts().items():
+        # A full fine-tune's checkpoint holds whole models, a LoRA run's adapters: neither resumes as the other.
+        identity[f"{name}.finetune"] = str(getattr(expert, "finetune", "lora"))
         for key in ("lora_rank", "lora_alpha"):
             value = getattr(expert, key, None)
             if value is not None:
@@ -307,6 +309,8 @@ def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
     ``key: checkpoint=<old> now=<new>`` per line, so a resume with a changed recipe stops before it trains.
     """
     missing = "<absent>"
+    # Checkpoints from before full fine-tuning existed record no ``<expert>.finetune``: they trained LoRA.
+    saved = {**{key: "lora" for key in current if key.endswith(".finetune")}, **saved}
     keys = set(saved) | set(current)
     if "data.seed" not in current:
         keys.discard("data.seed")  # no datamodule attached (e.g. export): nothing to compare against

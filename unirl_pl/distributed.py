@@ -33,12 +33,15 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def shard_experts(experts: dict[str, Any], trained: list[str], mesh: Any, reshard_after_forward: bool) -> None:
     """``fully_shard`` each trained expert's blocks and root over ``mesh`` (the data-parallel sub-mesh); an
-    expert with several models (Wan2.2's two transformers, listed by its ``transformers``) has each sharded."""
+    expert with several models (Wan2.2's two transformers, listed by its ``transformers``) has each sharded,
+    and a fully fine-tuned expert's frozen reference copy is sharded like the policy it copies."""
     from torch.distributed.fsdp import fully_shard
 
     for name in trained:
         expert = experts[name]
-        for model in getattr(expert, "transformers", None) or [expert.model]:
+        models = list(getattr(expert, "transformers", None) or [expert.model])
+        reference = expert._modules.get("reference_model")
+        for model in [*models, *([reference] if reference is not None else [])]:
             for block in transformer_blocks(model):
                 fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)

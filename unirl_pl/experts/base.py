@@ -13,6 +13,13 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from unirl_pl.experts._common import check_positive, resolve_dtype
+from unirl_pl.experts.finetune import (
+    attach_reference,
+    check_finetune,
+    keep_reference_eval,
+    make_fully_trainable,
+    reference_swapped,
+)
 from unirl_pl.manifest import verify_assets
 
 # Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference policy;
@@ -144,13 +151,15 @@ class FrozenExpert(Expert):
 
 
 class LoRAExpert(Expert):
-    """An expert whose only trainable weights are a LoRA adapter on a frozen base model; the reference
-    policy is the same model with the adapter bypassed (``adapter_disabled()``), so no second copy of the
-    weights is kept.
+    """An expert that trains a LoRA adapter on a frozen base model (``finetune: lora``, the reference policy
+    is the same model with the adapter bypassed, so no second copy of the weights is kept) or every weight
+    of the model (``finetune: full``, the reference is a frozen copy of the initial weights:
+    :mod:`unirl_pl.experts.finetune`). ``adapter_disabled()`` is the reference in both.
 
-    ``_init_lora`` validates and records the LoRA arguments. ``_attach_lora`` (called inside
-    ``seeded_cpu_init`` so the LoRA init is seeded) freezes a base model and adds the adapter the
-    diffusers way, with the LoRA weights in float32; a ``transformers`` expert overrides it.
+    ``_init_lora`` validates and records the LoRA arguments and ``finetune``. ``_adapt`` (called inside
+    ``seeded_cpu_init`` so the LoRA init is seeded) prepares a loaded base model for training:
+    ``_attach_lora`` freezes it and adds the adapter the diffusers way, with the LoRA weights in float32 (a
+    ``transformers`` expert overrides it); in full mode every weight but ``frozen_submodules`` trains.
     """
 
     # peft ``task_type`` of the adapter (``None``: a bare model, as diffusers' ``add_adapter`` wants).
@@ -163,7 +172,9 @@ class LoRAExpert(Expert):
         lora_target_modules: list[str] | None,
         default_targets: tuple[str, ...],
         lora_init: str | None = None,
+        finetune: str = "lora",
     ) -> None:
+        self.finetune = check_finetune(finetune, type(self).__name__)
         check_lora_args(lora_rank, lora_alpha, lora_target_modules)
         if lora_init is not None and lora_init not in LORA_INITS:
             raise ValueError(f"lora_init must be one of {sorted(LORA_INITS)}, got {lora_init!r}")
@@ -192,9 +203,44 @@ class LoRAExpert(Expert):
         """Freeze ``model``, add the adapter in place and return it (diffusers ``add_adapter``)."""
         return attach_diffusers_lora(model, self.lora_config())
 
+    def _require_lora(self, use: str) -> None:
+        """One-line ``ValueError`` for an adapter operation on a fully fine-tuned expert (it has no adapter)."""
+        if self.finetune != "lora":
+            raise ValueError(
+                f"{type(self).__name__}.{use} needs a LoRA adapter, but finetune is {self.finetune!r}: "
+                "a full fine-tune is exported whole (save_model)"
+            )
+
+    def save_model(self, path: str) -> None:
+        """Save the whole fine-tuned model in its library's format (``finetune: full``): a diffusers model
+        folder here, loadable by the model class's ``from_pretrained``."""
+        self._require_built().save_pretrained(path)
+
+    def frozen_submodules(self, model: Any) -> list[torch.nn.Module]:
+        """The parts of ``model`` that stay frozen under full fine-tuning (none here; a VLM's vision tower)."""
+        return []
+
+    def _adapt(self, model: Any) -> Any:
+        """``model`` made trainable as ``finetune`` says: the LoRA attached, or (full) every weight but
+        ``frozen_submodules`` trainable in float32 and a frozen copy registered as the reference."""
+        if self.finetune == "lora":
+            return self._attach_lora(model)
+        make_fully_trainable(model, self.frozen_submodules(model))
+        attach_reference(self, model)
+        return model
+
+    def train(self, mode: bool = True) -> LoRAExpert:
+        """Switch the model to ``mode``; a full fine-tune's frozen reference copy stays in eval mode."""
+        super().train(mode)
+        keep_reference_eval(self)
+        return self
+
     @contextmanager
     def adapter_disabled(self) -> Iterator[None]:
-        """Context in which the model is the frozen reference policy (LoRA bypassed). Every parameter's
-        ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
-        with adapter_bypassed(self._require_built()):
+        """Context in which the model is the frozen reference policy: LoRA bypassed, or (full fine-tuning) the
+        frozen copy of the initial weights in its place. Every parameter's ``requires_grad`` is the same
+        afterwards; nested use is a no-op inside."""
+        model = self._require_built()
+        context = reference_swapped(self) if self.finetune == "full" else adapter_bypassed(model)
+        with context:
             yield

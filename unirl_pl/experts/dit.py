@@ -56,6 +56,8 @@ class FlowTransformerExpert(LoRAExpert):
         dtype: Dtype of the base weights: ``float32``, ``bfloat16`` or ``float16`` (LoRA weights are
             kept in float32).
         init_seed: Seed of the tiny model's weights and of the LoRA init.
+        finetune: ``lora`` trains the adapter on frozen base weights; ``full`` trains every weight in float32
+            against a frozen copy of the initial weights as the KL reference (the LoRA arguments unused).
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class FlowTransformerExpert(LoRAExpert):
         lora_init: str = "gaussian",
         dtype: str = "float32",
         init_seed: int = 0,
+        finetune: str = "lora",
     ) -> None:
         super().__init__(pretrained_path, dtype, init_seed)
         check_positive(
@@ -91,7 +94,7 @@ class FlowTransformerExpert(LoRAExpert):
             caption_projection_dim=caption_projection_dim,
             pooled_projection_dim=pooled_projection_dim,
         )
-        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_DIT_LORA_TARGETS, lora_init)
+        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_DIT_LORA_TARGETS, lora_init, finetune)
         if sample_size % patch_size:
             raise ValueError(f"patch_size ({patch_size}) must divide sample_size ({sample_size})")
         if num_attention_heads * attention_head_dim != caption_projection_dim:
@@ -129,11 +132,12 @@ class FlowTransformerExpert(LoRAExpert):
         }
 
     def build(self) -> None:
-        """Create the model, freeze it and attach the LoRA adapter; a second call is a no-op."""
+        """Create the model and make it trainable (LoRA attached, or every weight: ``finetune``); a second call
+        is a no-op."""
         if self.is_built:
             return
         with seeded_cpu_init(self.init_seed):
-            self.model = self._attach_lora(self._diffusers_model(SD3Transformer2DModel))
+            self.model = self._adapt(self._diffusers_model(SD3Transformer2DModel))
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -177,6 +181,7 @@ class FlowTransformerExpert(LoRAExpert):
         bare model reads it with ``load_lora_adapter(path, use_safetensors=True)`` (without that flag
         the model-level loader looks for a ``.bin`` file).
         """
+        self._require_lora("save_adapter")
         model = self._require_built()
         SD3LoraLoaderMixin.save_lora_weights(
             path,
@@ -187,4 +192,5 @@ class FlowTransformerExpert(LoRAExpert):
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights written by ``save_adapter`` (a folder or the file) into this expert's adapter, in
         place, raising ``ValueError`` when they do not match it."""
+        self._require_lora("load_adapter")
         load_lora_file(self._require_built(), path, _PIPELINE_PREFIX)

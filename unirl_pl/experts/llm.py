@@ -48,6 +48,9 @@ class CausalLMExpert(LoRAExpert):
         chat: How an instruct LM is asked and its reply read back (chat template, instruction, reply
             parsing with a fallback to the user prompt); None feeds the bare prompt to a base LM and takes
             its continuation as the refinement.
+        finetune: ``lora`` trains the adapter on frozen base weights (the reference is the adapter
+            bypassed); ``full`` trains every weight in float32 (the reference is a frozen copy of the
+            initial weights; the LoRA arguments are then unused), as PromptRL trains its refiner.
     """
 
     lora_task_type = "CAUSAL_LM"
@@ -61,32 +64,39 @@ class CausalLMExpert(LoRAExpert):
         dtype: str = "float32",
         init_seed: int = 0,
         chat: ChatFormat | None = None,
+        finetune: str = "lora",
     ) -> None:
         super().__init__(pretrained_path, dtype, init_seed)
-        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat)
+        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat, finetune)
 
     def _init_refiner(
-        self, lora_rank: int, lora_alpha: float, lora_target_modules: list[str] | None, chat: ChatFormat | None
+        self,
+        lora_rank: int,
+        lora_alpha: float,
+        lora_target_modules: list[str] | None,
+        chat: ChatFormat | None,
+        finetune: str = "lora",
     ) -> None:
-        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_LLM_LORA_TARGETS)
+        self._init_lora(lora_rank, lora_alpha, lora_target_modules, DEFAULT_LLM_LORA_TARGETS, finetune=finetune)
         self.chat = chat
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.model: PeftModel | None = None
         self._cache_arg_name = "past_key_values"
 
     def build(self) -> None:
-        """Create the tokenizer and the LoRA-wrapped model; a second call is a no-op.
+        """Create the tokenizer and the trainable model; a second call is a no-op.
 
-        Base weights are frozen; only the LoRA matrices require grad. peft initializes LoRA ``B`` to
-        zero, so at build time the policy equals the adapter-disabled reference while gradients still
-        reach ``B`` through the random ``A``.
+        With LoRA the base weights are frozen and only the LoRA matrices require grad; peft initializes
+        LoRA ``B`` to zero, so at build time the policy equals the adapter-disabled reference while
+        gradients still reach ``B`` through the random ``A``. With full fine-tuning every weight trains and
+        the reference is a frozen copy made at build time, so the two are equal then as well.
         """
         if self.is_built:
             return
         tokenizer = self._build_tokenizer()
         with seeded_cpu_init(self.init_seed):
             base = self._base_model(tokenizer)
-            model = self._attach_lora(base)
+            model = self._adapt(base)
         params = inspect.signature(base.forward).parameters
         self._cache_arg_name = "cache" if "cache" in params else "past_key_values"
         self.tokenizer = tokenizer
@@ -211,11 +221,20 @@ class CausalLMExpert(LoRAExpert):
 
     def save_adapter(self, path: str) -> None:
         """Save only the LoRA adapter (peft format, loadable with ``PeftModel.from_pretrained``)."""
+        self._require_lora("save_adapter")
         self._require_built().save_pretrained(path)
+
+    def save_model(self, path: str) -> None:
+        """Save the whole fine-tuned model and its tokenizer as a ``transformers`` folder, loadable by the
+        model's Auto class (``AutoModelForCausalLM``, or ``AutoModelForImageTextToText`` for a VLM) with no
+        base checkpoint: what ``export`` writes for ``finetune: full``."""
+        self._require_built().save_pretrained(path)
+        self._require_tokenizer().save_pretrained(path)
 
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights saved by ``save_adapter`` into this expert's adapter, in place, raising
         ``ValueError`` when they do not match it."""
+        self._require_lora("load_adapter")
         model = self._require_built()
         load_lora_weights(model, load_peft_weights(path, device=str(next(model.parameters()).device)), path)
 
@@ -240,6 +259,7 @@ class TinyCausalLMExpert(CausalLMExpert):
             embeddings a 0.02 init bounds every logit near 0: the policy is stuck near uniform and no LoRA
             update can make one token likely, unlike a real LM.
         chat: As :class:`CausalLMExpert`'s (None: the bare prompt, the continuation is the refinement).
+        finetune: As :class:`CausalLMExpert`'s: ``lora`` or ``full``.
     """
 
     def __init__(
@@ -256,6 +276,7 @@ class TinyCausalLMExpert(CausalLMExpert):
         init_seed: int = 0,
         initializer_range: float = 0.2,
         chat: ChatFormat | None = None,
+        finetune: str = "lora",
     ) -> None:
         LoRAExpert.__init__(self, None, dtype, init_seed)  # no checkpoint: build() makes the weights
         check_positive(
@@ -266,7 +287,7 @@ class TinyCausalLMExpert(CausalLMExpert):
             intermediate_size=intermediate_size,
             initializer_range=initializer_range,
         )
-        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat)
+        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat, finetune)
         check_divisible(hidden_size=hidden_size, num_attention_heads=num_attention_heads)
         check_divisible(num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads)
         self.hidden_size, self.num_layers, self.intermediate_size = hidden_size, num_layers, intermediate_size

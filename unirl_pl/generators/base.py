@@ -18,6 +18,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
 from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
+from unirl_pl.experts.finetune import (
+    attach_reference,
+    check_finetune,
+    copy_pipeline_folder,
+    make_fully_trainable,
+    reference_swapped,
+)
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.schedule import Schedule, pipeline_schedule
 from unirl_pl.lora import load_lora_file
@@ -57,6 +64,10 @@ class FlowGenerator(torch.nn.Module, ABC):
         vae_slicing: Decode one sample at a time (diffusers' ``enable_slicing``): the decode's peak memory
             no longer grows with the batch, and a sample's pixels cannot depend on its batch.
         vae_tiling: Decode in overlapping spatial tiles (diffusers' ``enable_tiling``) for large sizes.
+        finetune: ``lora`` trains the adapter on the frozen transformer (the reference is the adapter
+            bypassed); ``full`` trains every transformer weight in float32 against a frozen copy of the
+            initial weights as the KL reference (the LoRA arguments are then unused), as PromptRL trains
+            FLUX; ``export`` then writes a whole pipeline folder.
     """
 
     family: ClassVar[str]
@@ -84,8 +95,10 @@ class FlowGenerator(torch.nn.Module, ABC):
         init_seed: int = 0,
         vae_slicing: bool = False,
         vae_tiling: bool = False,
+        finetune: str = "lora",
     ) -> None:
         super().__init__()
+        self.finetune = check_finetune(finetune, type(self).__name__)
         check_lora_args(lora_rank, lora_alpha, lora_target_modules)
         if lora_init not in LORA_INITS:
             raise ValueError(f"lora_init must be one of {sorted(LORA_INITS)}, got {lora_init!r}")
@@ -255,9 +268,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         with seeded_cpu_init(self.init_seed):
             self._load_text(index)
             self.vae = self._load_frozen(self.vae_class, "vae", self.vae_dtype)
-            model = attach_diffusers_lora(
-                self._load(self.transformer_class, "transformer", self.dtype), self.lora_config()
-            )
+            model = self._adapt(self._load(self.transformer_class, "transformer", self.dtype))
         if self.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         if self.vae_slicing:
@@ -265,6 +276,24 @@ class FlowGenerator(torch.nn.Module, ABC):
         if self.vae_tiling:
             self.vae.enable_tiling()
         self.model = model
+
+    def _adapt(self, model: ModelMixin) -> ModelMixin:
+        """The loaded transformer made trainable as ``finetune`` says: LoRA attached to the frozen base, or
+        every weight trainable in float32 with a frozen copy registered as the reference
+        (:mod:`unirl_pl.experts.finetune`)."""
+        if self.finetune == "lora":
+            return attach_diffusers_lora(model, self.lora_config())
+        make_fully_trainable(model)
+        attach_reference(self, model)
+        return model
+
+    def _require_lora(self, use: str) -> None:
+        """One-line ``ValueError`` for an adapter operation on a fully fine-tuned transformer."""
+        if self.finetune != "lora":
+            raise ValueError(
+                f"{type(self).__name__}.{use} needs a LoRA adapter, but finetune is {self.finetune!r}: "
+                "a full fine-tune is exported whole (save_model)"
+            )
 
     def _require_built(self) -> ModelMixin:
         if self.model is None:
@@ -355,9 +384,11 @@ class FlowGenerator(torch.nn.Module, ABC):
 
     @contextmanager
     def adapter_disabled(self) -> Iterator[None]:
-        """Context in which ``velocity`` is the frozen reference policy (LoRA bypassed). Every
-        parameter's ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
-        with adapter_bypassed(self._require_built()):
+        """Context in which ``velocity`` is the frozen reference policy: LoRA bypassed, or (full fine-tuning)
+        the frozen copy of the initial weights in the transformer's place. Every parameter's
+        ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
+        model = self._require_built()
+        with reference_swapped(self) if self.finetune == "full" else adapter_bypassed(model):
             yield
 
     def save_adapter(self, path: str) -> None:
@@ -365,6 +396,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         ``save_lora_weights`` (``transformer.``-prefixed peft keys plus the LoRA config as metadata, so
         the scaling survives), which ``<FamilyPipeline>.from_pretrained(...).load_lora_weights(path)``
         reads as is."""
+        self._require_lora("save_adapter")
         model = self._require_built()
         self.pipeline_class.save_lora_weights(
             path,
@@ -375,4 +407,15 @@ class FlowGenerator(torch.nn.Module, ABC):
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights written by ``save_adapter`` (a folder or the file) into the adapter in
         place, raising ``ValueError`` when they do not match this model's adapter."""
+        self._require_lora("load_adapter")
         load_lora_file(self._require_built(), path, self.pipeline_class.transformer_name)
+
+    def save_model(self, path: str) -> None:
+        """Write the fine-tuned generator as a whole diffusers pipeline folder at ``path`` (``finetune: full``):
+        every component of ``pipeline_path`` but the transformer as it is there (hard links where the file
+        system allows), the trained transformer saved in its place, so ``DiffusionPipeline.from_pretrained(path)``
+        loads the trained generator with no base checkpoint. The transformer is written as trained (float32
+        master weights); pass ``torch_dtype`` when loading to run it in another dtype."""
+        model = self._require_built()
+        copy_pipeline_folder(self._folder(), path, skip=("transformer",))
+        model.save_pretrained(str(Path(path) / "transformer"))

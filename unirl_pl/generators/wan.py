@@ -148,6 +148,11 @@ class WanGenerator(FlowGenerator):
         ``transformer_2`` with its own LoRA (same settings, its init drawn from ``init_seed + 1``)."""
         if self.is_built:
             return
+        if self.num_experts > 1 and self.finetune == "full":
+            # Two 14B experts fully trained, each with a frozen copy, is not a setting any reference runs.
+            raise ValueError(
+                f"{type(self).__name__}.finetune 'full' is not supported for two-expert Wan2.2 folders; use 'lora'"
+            )
         super().build()
         if self.num_experts == 1:
             return
