@@ -217,3 +217,40 @@ def _full_recipe(tmp_path: Path) -> Path:
     path = tmp_path / "tiny_full.yaml"
     path.write_text(yaml.safe_dump(recipe))
     return path
+
+
+@pytest.mark.slow
+def test_full_family_generator_exports_a_pipeline_folder(tmp_path):
+    """A family's full fine-tune is written as a whole pipeline folder: ``DiffusionPipeline.from_pretrained``
+    loads it with no base checkpoint, its transformer is the trained one, the other components the base's."""
+    from diffusers import DiffusionPipeline, StableDiffusion3Pipeline
+
+    from tests.pipelines import make_sd3_pipeline
+    from unirl_pl.generators import SD3Generator
+
+    source = make_sd3_pipeline(tmp_path / "sd3", with_t5=False)
+    generator = SD3Generator(str(source), dtype="float32", height=32, width=32, finetune="full")
+    generator.build()
+    assert all(p.requires_grad for p in generator.model.parameters())
+    assert not any(p.requires_grad for p in generator.text_encoder.parameters())
+    with torch.no_grad():
+        for p in generator.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    generator.save_model(str(tmp_path / "out"))
+    with pytest.raises(ValueError, match="save_adapter needs a LoRA adapter"):
+        generator.save_adapter(str(tmp_path / "lora"))
+
+    # The fixture has no T5 (as SD3.5 run without it): the pipeline is told so, as for the source folder.
+    pipe = DiffusionPipeline.from_pretrained(tmp_path / "out", text_encoder_3=None, tokenizer_3=None)
+    assert isinstance(pipe, StableDiffusion3Pipeline)
+    cond = generator.encode(["a red circle", "a blue square"])
+    x = torch.randn(2, *generator.latent_shape)
+    sigma = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        ours = generator.velocity(x, sigma, cond)
+        theirs = generator.velocity_of(pipe.transformer, x, sigma, cond)
+        with generator.adapter_disabled():
+            base = generator.velocity(x, sigma, cond)
+    assert (ours - theirs).abs().max().item() <= 1e-6
+    assert (ours - base).abs().max().item() > 1e-4, "the folder holds the trained transformer, not the base"
+    assert (tmp_path / "out" / "vae" / "config.json").is_file() and (tmp_path / "out" / "model_index.json").is_file()
