@@ -15,8 +15,11 @@ from pathlib import Path
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLWan,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -25,11 +28,14 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
+from tokenizers import AddedToken
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -38,7 +44,9 @@ from transformers import (
 )
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from tests.chat_lm import CHAT_SPECIAL_TOKENS, THINK_TOKENS
 from unirl_pl.experts._common import seeded_cpu_init
+from unirl_pl.experts.tokenizer import DEFAULT_WORDS, build_word_tokenizer
 
 # CLIP's context length: the SD3 and FLUX pipelines pad CLIP prompts to ``tokenizer.model_max_length``.
 CLIP_LENGTH = 77
@@ -186,6 +194,104 @@ def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int
     return Path(path)
 
 
+# FLUX.2 [klein]'s scheduler (FLUX.2's): flow-matching Euler shifted by the mu the pipeline computes
+# (``compute_empirical_mu``), exponential time shift.
+KLEIN_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 4096,
+    "max_shift": 1.15,
+    "num_train_timesteps": 1000,
+    "shift": 3.0,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+
+# Qwen3's chat template as Flux2KleinPipeline uses it: ChatML turns without a default system turn, and the
+# empty think block that ``enable_thinking=False`` appends after the generation prompt.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+# Enough Qwen3 layers for the pipeline's default feature layers (9, 18, 27): hidden_states has layers + 1 entries.
+KLEIN_TEXT_LAYERS = 28
+KLEIN_TEXT_WIDTH = 16
+
+
+def qwen3_tokenizer() -> object:
+    """The offline word tokenizer (right padding, as Qwen's) with ChatML special tokens, the think tags and
+    :data:`QWEN3_CHAT_TEMPLATE`."""
+    tokenizer = build_word_tokenizer(words=(*DEFAULT_WORDS, *_WORDS, "user", "assistant"), padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(CHAT_SPECIAL_TOKENS)})
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_flux2_klein_pipeline(path: str | Path, distilled: bool = False, seed: int = 0) -> Path:
+    """Save a tiny ``Flux2KleinPipeline`` and return it: a 28-layer Qwen3 of width 16 (so the default
+    feature layers 9, 18, 27 exist; features 3 x 16 wide), a 2x ``AutoencoderKLFlux2`` with 4 latent
+    channels (16 after its 2x2 patchify) and non-trivial batch-norm statistics, a Flux2 DiT with one double
+    and one single block, and FLUX.2's dynamically shifting scheduler. ``distilled`` writes
+    ``is_distilled: true`` (FLUX.2-klein-4B-like, no guidance); the default is the base model (true CFG)."""
+    with seeded_cpu_init(seed):
+        transformer = Flux2Transformer2DModel(
+            patch_size=1,
+            in_channels=4 * 4,  # the VAE's 4 channels after its 2x2 patchify
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=3 * KLEIN_TEXT_WIDTH,
+            timestep_guidance_channels=16,
+            axes_dims_rope=(4, 4, 4, 4),
+            guidance_embeds=False,
+        )
+        vae = AutoencoderKLFlux2(
+            down_block_types=["DownEncoderBlock2D"] * 2,
+            up_block_types=["UpDecoderBlock2D"] * 2,
+            block_out_channels=[8, 8],
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=4,
+        ).eval()
+        # Not 0 and 1, so that decode's batch-norm denormalisation is exercised.
+        vae.bn.running_mean.copy_(0.3 * torch.randn(vae.bn.num_features))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.num_features))
+        tokenizer = qwen3_tokenizer()
+        text_encoder = Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=KLEIN_TEXT_WIDTH,
+                intermediate_size=32,
+                num_hidden_layers=KLEIN_TEXT_LAYERS,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=512,
+                tie_word_embeddings=True,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        ).eval()
+    pipe = Flux2KleinPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**KLEIN_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        is_distilled=distilled,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
 def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
     """A one-layer ``WanTransformer3DModel`` (patch (1, 2, 2), width 24, text width 32); seed the caller."""
     return WanTransformer3DModel(
@@ -301,8 +407,9 @@ def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.T
 
 
 if __name__ == "__main__":
-    # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v} FOLDER: a tiny random pipeline folder for CPU
-    # runs of the family recipes (the recipes' headers list the overrides that fit these sizes).
+    # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v,flux2_klein,flux2_klein_distilled} FOLDER: a tiny
+    # random pipeline folder for CPU runs of the family recipes (the recipes' headers list the overrides that fit
+    # these sizes).
     import sys
 
     builders = {
@@ -311,6 +418,8 @@ if __name__ == "__main__":
         "wan": make_wan_pipeline,
         "wan22": lambda folder: make_wan22_pipeline(folder, unipc=True),  # the real folder's UniPC scheduler
         "wan22_ti2v": make_wan22_ti2v_pipeline,
+        "flux2_klein": make_flux2_klein_pipeline,
+        "flux2_klein_distilled": lambda folder: make_flux2_klein_pipeline(folder, distilled=True),
     }
     if len(sys.argv) != 3 or sys.argv[1] not in builders:
         sys.exit(f"usage: python -m tests.pipelines {{{','.join(builders)}}} FOLDER")

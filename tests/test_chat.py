@@ -6,12 +6,17 @@ import pytest
 import torch
 
 from tests.chat_lm import DEFAULT_SYSTEM, make_qwen2_chat_lm
+from tests.vlm_lm import QWEN2_5_VL_CHAT_TEMPLATE, QWEN3_VL_CHAT_TEMPLATE
+from tests.vlm_lm import _tokenizer as vlm_tokenizer
 from unirl_pl.experts.chat import (
     DEFAULT_INSTRUCTION,
+    GENEVAL_INSTRUCTION,
     ChatFormat,
+    extract_tagged,
     fallback_fraction,
     format_requests,
     parse_reply,
+    user_message,
 )
 from unirl_pl.experts.llm import CausalLMExpert
 from unirl_pl.experts.tokenizer import build_word_tokenizer
@@ -201,3 +206,82 @@ def test_fallback_fraction() -> None:
     assert fallback_fraction([True, False, False, True]) == 0.5
     flags = [parse_reply(r, PROMPT, FMT)[1] for r in ["a red circle", "", "?!", "<think>x</think>blue"]]
     assert fallback_fraction(flags) == 0.5
+
+
+# ---------------------------------------------------------------- PromptRL's reply format
+
+ANSWER = ChatFormat(instruction=GENEVAL_INSTRUCTION, answer_tag="answer")
+
+
+# Expected values worked out by hand from PromptRL's ``extract_thinking_content`` (G-U-N/UniRL @53c28c9,
+# unimodel/qwenklein/qwenklein_inference.py): the last non-greedy <answer>...</answer> across lines, stripped;
+# no closed pair: the whole reply stripped; then every stray <answer> and </answer> removed (after the strip).
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("<answer>a red ball</answer>", "a red ball"),
+        ("<answer>  a red ball \n</answer>", "a red ball"),
+        (
+            "Sure!<answer>first try</answer> hmm <answer>\n a red ball, studio light \n</answer> done",
+            "a red ball, studio light",
+        ),
+        ("<answer>line one\n\nline two</answer>", "line one\n\nline two"),  # no whitespace collapsing
+        ("  a red ball, no tags  ", "a red ball, no tags"),
+        ("<answer> a red ball", " a red ball"),  # unclosed: stripped first, the tag removed after
+        ("a red ball</answer>", "a red ball"),
+        ("</answer>a red ball<answer>", "a red ball"),
+        ("<answer>a <answer>red</answer> ball</answer>", "a red"),  # non-greedy from the first opening
+        ("<answer>a red ball <answer></answer>", "a red ball "),  # the match 'a red ball <answer>', stripped, cleaned
+        ("<think>red or blue?</think><answer>a blue ball</answer>", "a blue ball"),
+        ('Refined prompt: "a red ball"', 'Refined prompt: "a red ball"'),  # no label or quote clean-up
+    ],
+)
+def test_answer_tag_reads_replies_as_promptrl(reply: str, expected: str) -> None:
+    assert extract_tagged(reply, "answer") == expected
+    assert parse_reply(reply, PROMPT, ANSWER) == (expected, False)
+
+
+@pytest.mark.parametrize("reply", ["<answer></answer>", "<answer> \n </answer>", "", "<answer>", "<answer>?!</answer>"])
+def test_answer_tag_empty_answer_falls_back_to_user_prompt(reply: str) -> None:
+    # PromptRL would hand the generator an empty (or punctuation-only) prompt; here the user prompt is used and
+    # counted in llm/fallback_frac.
+    assert parse_reply(reply, PROMPT, ANSWER) == (PROMPT, True)
+
+
+def test_answer_tag_keeps_the_cap() -> None:
+    fmt = ChatFormat(answer_tag="answer", max_refined_chars=12)
+    assert parse_reply("<answer>a bright red circle</answer>", PROMPT, fmt) == ("a bright red", False)
+
+
+@pytest.mark.parametrize("tag", ["", "<answer>", "an swer", "a>b", 3])
+def test_answer_tag_must_be_a_tag_name(tag: object) -> None:
+    with pytest.raises(ValueError, match="ChatFormat.answer_tag"):
+        ChatFormat(answer_tag=tag)  # type: ignore[arg-type]
+
+
+# PromptRL's own wording of the instruction (its placeholder ``{Question}``, filled by ``str.format``), kept here
+# so the constant is checked against the reference and not against itself.
+PROMPTRL_GENEVAL_TEMPLATE = (
+    "Please provide an enhanced prompt for the following image generation prompt to "
+    "make the image more realistic, detailed, with clear separation and precise alignment "
+    "of all entities.\nOriginal prompt: {Question}. "
+    "Directly provide the improved prompt in <answer> </answer> tags."
+)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_geneval_instruction_renders_as_promptrl(family: str) -> None:
+    tok = vlm_tokenizer(QWEN2_5_VL_CHAT_TEMPLATE if family == "qwen2_5_vl" else QWEN3_VL_CHAT_TEMPLATE)
+    prompt = "a photo of two cats and a red {brace} bench"
+    # PromptRL's request: one user turn whose content is a list of parts, no system turn.
+    text = PROMPTRL_GENEVAL_TEMPLATE.format(Question=prompt)
+    messages = [{"role": "user", "content": [{"type": "text", "text": text}]}]
+    theirs = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ours = format_requests(tok, [prompt], ANSWER)[0]
+    assert ours == theirs
+    assert user_message(prompt, ANSWER) == text
+    user = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    if family == "qwen2_5_vl":  # the template's default system turn, as PromptRL's requests get it
+        assert ours == f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n" + user
+    else:
+        assert ours == user

@@ -109,6 +109,29 @@ def test_fake_trace_matches_the_same_step_on_real_tensors(folders):
 
 
 @pytest.mark.slow
+def test_full_fine_tune_plan_counts_the_frozen_copies_and_the_whole_optimizer_state(folders):
+    """``finetune: full`` on both experts: the fake trace equals the real step within 10% per phase, the trained
+    state holds every weight in float32 at least three times over (the weights and Adam's two moments; at most
+    four with every gradient live), and the frozen copies of both experts sit with the weights in place of the
+    frozen bases LoRA trains on."""
+    full = {"model.generator.init_args.finetune": "full", "model.llm.init_args.finetune": "full"}
+    recipe = _tiny_recipe(**full)
+    fake, real = (_plan_tiny(recipe, folders, real=r).recipe_candidate.phases for r in (False, True))
+    for phase in fake:
+        assert abs(fake[phase].total - real[phase].total) <= 0.10 * real[phase].total, (phase, fake[phase], real[phase])
+    lora = _plan_tiny(_tiny_recipe(), folders).recipe_candidate.phases["dit_update"]
+    pipeline, lm = folders
+    weights = sum(p.numel() for p in SD3Transformer2DModel.from_pretrained(pipeline / "transformer").parameters())
+    weights += sum(p.numel() for p in Qwen2ForCausalLM.from_pretrained(lm).parameters())
+    trained = fake["dit_update"].trainable
+    assert 3 * 4 * weights <= trained <= 4 * 4 * weights, (trained, weights)
+    assert trained > 2 * lora.trainable  # the tiny models are barely wider than the recipe's LoRA rank
+    # The copies take the frozen bases' place in ``weights``: without them the policy's move to the trained
+    # state would leave ``weights`` 4 * weights bytes below LoRA's.
+    assert fake["dit_update"].weights >= lora.weights
+
+
+@pytest.mark.slow
 def test_refiner_loss_in_micro_batches_leaves_only_its_gradients_through_the_dit_update(folders):
     """With ``rollout.lm_micro_batch_size`` the refiner's loss is backpropagated before the DiT's update: what
     it holds there shrinks from its whole graph to its LoRA gradients, and the DiT update's peak with it."""

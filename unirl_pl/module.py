@@ -159,6 +159,10 @@ class UniRLModule(pl.LightningModule):
         self.mode, self.llm, self.generator = mode, llm, generator
         self.rollout_config, self.advantage = rollout, advantage
         self.eval_config = eval_sampler.apply(rollout)
+        # A family whose checkpoint samples without guidance (step-distilled FLUX.2 [klein]) refuses it, unloaded.
+        if (check_guidance := getattr(generator, "check_guidance", None)) is not None:
+            check_guidance(rollout.guidance_scale, "model.rollout.guidance_scale")
+            check_guidance(self.eval_config.guidance_scale, "model.eval_sampler.guidance_scale")
         self.reward_fn = WeightedSum(
             rewards,
             reward_args,

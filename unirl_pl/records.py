@@ -44,6 +44,7 @@ class LMRecord:
     ``gen_mask`` marks real generated tokens (through the first eos); ``rows`` maps each record row
     to its text sample. ``temperature``/``top_k`` are the sampling settings the log-probs belong to.
     ``fell_back`` marks the rows whose reply could not be parsed and were replaced by the user prompt.
+    ``replies`` is each row's raw decoded reply (before parsing), for rewards that judge the reply itself.
     """
 
     input_ids: Tensor
@@ -56,6 +57,7 @@ class LMRecord:
     top_k: int | None
     version: int
     fell_back: list[bool] = field(default_factory=list)
+    replies: list[str] = field(default_factory=list)
 
     @property
     def gen_ids(self) -> Tensor:
@@ -64,15 +66,16 @@ class LMRecord:
 
     def slice(self, start: int, stop: int) -> LMRecord:
         """Rows ``[start, stop)`` of the record (views, same padding and settings): one scoring micro-batch."""
-        return self._rows(slice(start, stop), self.fell_back[start:stop])
+        return self._rows(slice(start, stop), self.fell_back[start:stop], self.replies[start:stop])
 
     def take(self, index: Tensor) -> LMRecord:
         """The rows at ``index`` (1-D long, in that order; same padding and settings): the refinements a
         refiner algorithm trains on when it drops some groups (DAPO's dynamic sampling)."""
         fell_back = [self.fell_back[i] for i in index.tolist()] if self.fell_back else []
-        return self._rows(index, fell_back)
+        replies = [self.replies[i] for i in index.tolist()] if self.replies else []
+        return self._rows(index, fell_back, replies)
 
-    def _rows(self, rows: slice | Tensor, fell_back: list[bool]) -> LMRecord:
+    def _rows(self, rows: slice | Tensor, fell_back: list[bool], replies: list[str]) -> LMRecord:
         return replace(
             self,
             input_ids=self.input_ids[rows],
@@ -81,6 +84,7 @@ class LMRecord:
             old_logp=self.old_logp[rows],
             rows=self.rows[rows],
             fell_back=fell_back,
+            replies=replies,
         )
 
 

@@ -6,6 +6,7 @@ from unirl_pl.experts.llm import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.experts.tokenizer import DEFAULT_WORDS, build_word_tokenizer
 from unirl_pl.experts.vae import VAEExpert
+from unirl_pl.experts.vlm import VLMRefinerExpert
 
 __all__ = [
     "DEFAULT_WORDS",
@@ -14,5 +15,6 @@ __all__ = [
     "TextEncoderExpert",
     "TinyCausalLMExpert",
     "VAEExpert",
+    "VLMRefinerExpert",
     "build_word_tokenizer",
 ]

@@ -13,13 +13,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from unirl_pl.experts._common import check_positive, resolve_dtype
-from unirl_pl.experts.finetune import (
-    attach_reference,
-    check_finetune,
-    keep_reference_eval,
-    make_fully_trainable,
-    reference_swapped,
-)
+from unirl_pl.experts.finetune import adapt, check_finetune, keep_reference_eval, reference_swapped, require_lora
 from unirl_pl.manifest import verify_assets
 
 # Both keep LoRA ``B`` at zero, so the adapted model starts exactly equal to the reference policy;
@@ -205,11 +199,7 @@ class LoRAExpert(Expert):
 
     def _require_lora(self, use: str) -> None:
         """One-line ``ValueError`` for an adapter operation on a fully fine-tuned expert (it has no adapter)."""
-        if self.finetune != "lora":
-            raise ValueError(
-                f"{type(self).__name__}.{use} needs a LoRA adapter, but finetune is {self.finetune!r}: "
-                "a full fine-tune is exported whole (save_model)"
-            )
+        require_lora(self, use)
 
     def save_model(self, path: str) -> None:
         """Save the whole fine-tuned model in its library's format (``finetune: full``): a diffusers model
@@ -223,11 +213,7 @@ class LoRAExpert(Expert):
     def _adapt(self, model: Any) -> Any:
         """``model`` made trainable as ``finetune`` says: the LoRA attached, or (full) every weight but
         ``frozen_submodules`` trainable in float32 and a frozen copy registered as the reference."""
-        if self.finetune == "lora":
-            return self._attach_lora(model)
-        make_fully_trainable(model, self.frozen_submodules(model))
-        attach_reference(self, model)
-        return model
+        return adapt(self, model, self._attach_lora, self.frozen_submodules(model))
 
     def train(self, mode: bool = True) -> LoRAExpert:
         """Switch the model to ``mode``; a full fine-tune's frozen reference copy stays in eval mode."""

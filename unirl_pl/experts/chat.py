@@ -19,8 +19,19 @@ DEFAULT_INSTRUCTION: str = (
     "contradict the prompt. Reply with the rewritten prompt only, with no explanation."
 )
 
+# PromptRL's GenEval instruction (G-U-N/UniRL @53c28c9, unirl/train_geneval.py), its placeholder renamed to
+# ``{prompt}``: with ``answer_tag: answer`` and no system prompt it reproduces PromptRL's user turn exactly.
+GENEVAL_INSTRUCTION: str = (
+    "Please provide an enhanced prompt for the following image generation prompt to "
+    "make the image more realistic, detailed, with clear separation and precise alignment "
+    "of all entities.\nOriginal prompt: {prompt}. "
+    "Directly provide the improved prompt in <answer> </answer> tags."
+)
+
 # Where the user prompt goes inside the instruction; without it the prompt is appended after a label.
 PROMPT_PLACEHOLDER = "{prompt}"
+# A tag name usable as ``<name>...</name>``: no spaces or angle brackets.
+_TAG_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _PROMPT_LABEL = "Prompt: "
 
 # A closed think block, and an opened one the LM never closed (ran out of tokens): both are reasoning,
@@ -62,6 +73,12 @@ class ChatFormat:
     boundary, so a rambling reply cannot overflow the text encoder. ``enable_thinking`` is passed to the
     template as a variable: Qwen3 templates pre-fill an empty think block when it is false, templates
     that do not use it ignore it.
+
+    ``answer_tag`` reads the reply the way PromptRL does (its ``extract_thinking_content``): with
+    ``answer``, the refinement is the text of the last ``<answer>...</answer>`` (stripped), and a reply with
+    no closed pair is used whole (stripped) with stray ``<answer>``/``</answer>`` removed; none of the other
+    clean-ups apply (think blocks, labels, quotes), only the cap and the fallback to the user prompt when
+    nothing alphanumeric is left. None (the default) keeps the free-form parsing of :func:`parse_reply`.
     """
 
     use_chat_template: bool = True
@@ -69,8 +86,16 @@ class ChatFormat:
     system_prompt: str | None = None
     max_refined_chars: int = 400
     enable_thinking: bool = False
+    answer_tag: str | None = None
 
     def __post_init__(self) -> None:
+        if self.answer_tag is not None and (
+            not isinstance(self.answer_tag, str) or _TAG_NAME.fullmatch(self.answer_tag) is None
+        ):
+            raise ValueError(
+                "ChatFormat.answer_tag must be a tag name such as 'answer' (letters, digits, _ . -; no brackets) "
+                f"or null, got {self.answer_tag!r}"
+            )
         for name in ("use_chat_template", "enable_thinking"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ChatFormat.{name} must be true or false, got {getattr(self, name)!r}")
@@ -161,6 +186,16 @@ def _cap(text: str, limit: int) -> str:
     return head.rstrip(" ,;:-")
 
 
+def extract_tagged(reply: str, tag: str) -> str:
+    """PromptRL's reading of a tagged reply: the last ``<tag>...</tag>`` (non-greedy, across lines), stripped;
+    without one, the whole reply stripped. Stray ``<tag>``/``</tag>`` are removed after the strip, in that
+    order, as PromptRL does (so ``<tag>a <tag></tag>`` gives ``"a "``)."""
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    matches = re.findall(re.escape(opening) + "(.*?)" + re.escape(closing), reply, re.DOTALL)
+    text = matches[-1].strip() if matches else reply.strip()
+    return text.replace(opening, "").replace(closing, "")
+
+
 def parse_reply(reply: str, prompt: str, fmt: ChatFormat) -> tuple[str, bool]:
     """The refined prompt in an LM reply, and whether the user ``prompt`` was used instead.
 
@@ -170,8 +205,12 @@ def parse_reply(reply: str, prompt: str, fmt: ChatFormat) -> tuple[str, bool]:
     strip a leading ``Prompt:``/``Refined prompt:``-style label (case-insensitive) and wrapping quotes,
     then cap at ``fmt.max_refined_chars`` on a word boundary. When nothing alphanumeric is left the
     result is ``(prompt, True)`` so the generator always gets a usable prompt; otherwise
-    ``(refined, False)``.
+    ``(refined, False)``. With ``fmt.answer_tag`` the reply is read by :func:`extract_tagged` instead of
+    these clean-ups; the cap and the fallback still apply.
     """
+    if fmt.answer_tag is not None:
+        tagged = _cap(extract_tagged(reply, fmt.answer_tag), fmt.max_refined_chars)
+        return (tagged, False) if any(ch.isalnum() for ch in tagged) else (prompt, True)
     text = _THINK_BLOCK.sub(" ", reply)
     text = _THINK_OPEN.sub(" ", text)
     text = _THINK_CLOSE.sub(" ", text)

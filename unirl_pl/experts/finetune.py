@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +37,32 @@ def check_finetune(finetune: str, owner: str) -> str:
     if finetune not in FINETUNE_MODES:
         raise ValueError(f"{owner}.finetune must be 'lora' or 'full', got {finetune!r}")
     return finetune
+
+
+def require_lora(owner: Any, use: str) -> None:
+    """One-line ``ValueError`` for an adapter operation (``use``) on an expert ``owner`` that is fully fine-tuned:
+    it has no adapter; ``export`` writes its whole model instead."""
+    if owner.finetune != "lora":
+        raise ValueError(
+            f"{type(owner).__name__}.{use} needs a LoRA adapter, but finetune is {owner.finetune!r}: "
+            "a full fine-tune is exported whole (save_model)"
+        )
+
+
+def adapt(
+    owner: torch.nn.Module,
+    model: Any,
+    attach_lora: Callable[[Any], Any],
+    frozen: Iterable[torch.nn.Module] = (),
+) -> Any:
+    """``model`` made trainable as ``owner.finetune`` says: ``attach_lora(model)`` (LoRA on the frozen base), or
+    (full) every weight but the ``frozen`` parts trainable in float32 and a frozen copy registered on ``owner``
+    as the reference. Call it inside ``seeded_cpu_init`` so a LoRA init is seeded."""
+    if owner.finetune == "lora":
+        return attach_lora(model)
+    make_fully_trainable(model, frozen)
+    attach_reference(owner, model)
+    return model
 
 
 def make_fully_trainable(model: torch.nn.Module, frozen: Iterable[torch.nn.Module] = ()) -> torch.nn.Module:

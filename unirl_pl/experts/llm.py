@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from typing import Any, ClassVar
 
 import torch
 from peft import PeftModel, get_peft_model
@@ -54,6 +55,8 @@ class CausalLMExpert(LoRAExpert):
     """
 
     lora_task_type = "CAUSAL_LM"
+    # The transformers Auto class that loads this kind's checkpoints (``plan`` builds fake models through it too).
+    auto_model_class: ClassVar[Any] = AutoModelForCausalLM
 
     def __init__(
         self,
@@ -110,7 +113,7 @@ class CausalLMExpert(LoRAExpert):
 
     def _base_model(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
         # ``dtype=`` (not ``.to``) keeps any modules the architecture pins to float32.
-        return AutoModelForCausalLM.from_pretrained(self.pretrained_path, dtype=self.dtype)
+        return self.auto_model_class.from_pretrained(self.pretrained_path, dtype=self.dtype)
 
     def _build_tokenizer(self) -> PreTrainedTokenizerBase:
         tokenizer = self._base_tokenizer()

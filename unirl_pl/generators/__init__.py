@@ -1,8 +1,8 @@
 """Flow-matching generators behind one interface: ``latent_shape``, ``encode(texts) -> Cond``,
 ``velocity(latents, sigma, cond)``, ``decode(latents)``, ``adapter_disabled()`` and the trainable
 ``expert``. ``ComponentGenerator`` assembles the project's own configured parts; the families load
-from diffusers pipeline folders (``FlowGenerator``): SD3 / SD3.5, FLUX.1 dev and schnell, Wan2.1 /
-Wan2.2 text-to-video."""
+from diffusers pipeline folders (``FlowGenerator``): SD3 / SD3.5, FLUX.1 dev and schnell, FLUX.2 [klein],
+Wan2.1 / Wan2.2 text-to-video."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from typing import Any
 from unirl_pl.generators.base import Cond, FlowGenerator
 from unirl_pl.generators.components import ComponentGenerator, pixels_to_images
 from unirl_pl.generators.flux import FluxGenerator
+from unirl_pl.generators.flux2 import Flux2KleinGenerator
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.sd3 import SD3Generator
 from unirl_pl.generators.wan import WanGenerator
 
 GENERATORS: dict[str, type[FlowGenerator]] = {
-    cls.pipeline_class.__name__: cls for cls in (SD3Generator, FluxGenerator, WanGenerator)
+    cls.pipeline_class.__name__: cls for cls in (SD3Generator, FluxGenerator, Flux2KleinGenerator, WanGenerator)
 }
 """Generator class per diffusers pipeline class name (``model_index.json`` ``_class_name``)."""
 
@@ -43,6 +44,7 @@ __all__ = [
     "ComponentGenerator",
     "Cond",
     "FlowGenerator",
+    "Flux2KleinGenerator",
     "FluxGenerator",
     "SD3Generator",
     "WanGenerator",

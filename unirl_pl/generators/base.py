@@ -18,13 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
 from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
-from unirl_pl.experts.finetune import (
-    attach_reference,
-    check_finetune,
-    copy_pipeline_folder,
-    make_fully_trainable,
-    reference_swapped,
-)
+from unirl_pl.experts.finetune import adapt, check_finetune, copy_pipeline_folder, reference_swapped, require_lora
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.schedule import Schedule, pipeline_schedule
 from unirl_pl.lora import load_lora_file
@@ -278,22 +272,8 @@ class FlowGenerator(torch.nn.Module, ABC):
         self.model = model
 
     def _adapt(self, model: ModelMixin) -> ModelMixin:
-        """The loaded transformer made trainable as ``finetune`` says: LoRA attached to the frozen base, or
-        every weight trainable in float32 with a frozen copy registered as the reference
-        (:mod:`unirl_pl.experts.finetune`)."""
-        if self.finetune == "lora":
-            return attach_diffusers_lora(model, self.lora_config())
-        make_fully_trainable(model)
-        attach_reference(self, model)
-        return model
-
-    def _require_lora(self, use: str) -> None:
-        """One-line ``ValueError`` for an adapter operation on a fully fine-tuned transformer."""
-        if self.finetune != "lora":
-            raise ValueError(
-                f"{type(self).__name__}.{use} needs a LoRA adapter, but finetune is {self.finetune!r}: "
-                "a full fine-tune is exported whole (save_model)"
-            )
+        """The transformer made trainable as ``finetune`` says (:func:`unirl_pl.experts.finetune.adapt`)."""
+        return adapt(self, model, lambda base: attach_diffusers_lora(base, self.lora_config()))
 
     def _require_built(self) -> ModelMixin:
         if self.model is None:
@@ -396,7 +376,7 @@ class FlowGenerator(torch.nn.Module, ABC):
         ``save_lora_weights`` (``transformer.``-prefixed peft keys plus the LoRA config as metadata, so
         the scaling survives), which ``<FamilyPipeline>.from_pretrained(...).load_lora_weights(path)``
         reads as is."""
-        self._require_lora("save_adapter")
+        require_lora(self, "save_adapter")
         model = self._require_built()
         self.pipeline_class.save_lora_weights(
             path,
@@ -407,15 +387,13 @@ class FlowGenerator(torch.nn.Module, ABC):
     def load_adapter(self, path: str) -> None:
         """Load LoRA weights written by ``save_adapter`` (a folder or the file) into the adapter in
         place, raising ``ValueError`` when they do not match this model's adapter."""
-        self._require_lora("load_adapter")
+        require_lora(self, "load_adapter")
         load_lora_file(self._require_built(), path, self.pipeline_class.transformer_name)
 
     def save_model(self, path: str) -> None:
-        """Write the fine-tuned generator as a whole diffusers pipeline folder at ``path`` (``finetune: full``):
-        every component of ``pipeline_path`` but the transformer as it is there (hard links where the file
-        system allows), the trained transformer saved in its place, so ``DiffusionPipeline.from_pretrained(path)``
-        loads the trained generator with no base checkpoint. The transformer is written as trained (float32
-        master weights); pass ``torch_dtype`` when loading to run it in another dtype."""
+        """Write the fully fine-tuned generator as a pipeline folder ``DiffusionPipeline.from_pretrained`` loads:
+        ``pipeline_path``'s components (hard-linked where possible) with the trained transformer (float32, as
+        trained; load with ``torch_dtype`` to cast) in place of the base one."""
         model = self._require_built()
         copy_pipeline_folder(self._folder(), path, skip=("transformer",))
         model.save_pretrained(str(Path(path) / "transformer"))

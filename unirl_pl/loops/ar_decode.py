@@ -125,6 +125,7 @@ class ARDecode:
         )
         replies = llm.reply_texts(gen, gen_mask)
         texts, record.fell_back = llm.parse_replies(replies, list(prompts))
+        record.replies = replies
         return texts, record
 
     def score(self, record: LMRecord) -> Tensor:

@@ -27,6 +27,7 @@ from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
 from unirl_pl.rewards.metadata import Metadata, accepts_metadata
 from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
+from unirl_pl.rewards.replies import Reply, accepts_replies
 from unirl_pl.versioning import VersionLedger
 
 
@@ -76,6 +77,7 @@ class ExperienceSource:
         # Prompt metadata goes only to a reward that declares it (WeightedSum does, and hands it on to the terms
         # that declare it); the signature is read once.
         self._takes_metadata = accepts_metadata(self.reward)
+        self._takes_replies = accepts_replies(self.reward)
 
     def _decode_and_score(
         self,
@@ -84,11 +86,14 @@ class ExperienceSource:
         refined: list[str],
         groups: Tensor,
         metadata: list[Metadata] | None = None,
+        replies: list[Reply] | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
         extra: dict = {"groups": groups, "batch_std": self.batch_std} if self._normalizes else {}
         if metadata is not None and self._takes_metadata:
             extra["metadata"] = metadata
+        if replies is not None and self._takes_replies:
+            extra["replies"] = replies
         if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
             images, extra["pending"] = decode_while_scoring(
                 self.conditioning.decode,
@@ -98,6 +103,7 @@ class ExperienceSource:
                 prompts,
                 refined,
                 metadata=extra.get("metadata"),
+                replies=extra.get("replies"),
             )
         else:
             images = self.conditioning.decode(latents)
@@ -170,7 +176,12 @@ class ExperienceSource:
         # Each image gets its prompt's metadata, by the same image -> text sample -> prompt map as its prompt.
         metadata = None if batch.metadata is None else [batch.metadata[t // k] for t in img_text.tolist()]
         groups = layout.text_prompt(p)[img_text]
-        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups, metadata)
+        # Each image gets the raw reply of its text sample; None where the text sample kept its prompt.
+        text_replies: list[Reply] = [None] * len(refined)
+        for row, reply in zip(rows, lm_record.replies if lm_record is not None else [], strict=False):
+            text_replies[row] = reply
+        replies = [text_replies[t] for t in img_text.tolist()]
+        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups, metadata, replies)
         # Advantages come from the combined reward (group-normalized terms when the reward normalizes);
         # the logged reward stays the raw weighted sum.
         with timing.phase("advantages"):

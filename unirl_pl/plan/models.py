@@ -16,17 +16,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from diffusers import ModelMixin
-from peft import get_peft_model
 from torch._subclasses.fake_tensor import FakeTensorMode
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, BatchEncoding, PreTrainedModel
 
 from unirl_pl.experts import CausalLMExpert
-from unirl_pl.experts.base import attach_diffusers_lora
 from unirl_pl.generators import FlowGenerator
 from unirl_pl.generators.folder import has_component, read_model_index
 from unirl_pl.manifest import ASSETS, verify_assets
@@ -37,6 +34,7 @@ SHIPPED = ASSETS / "configs"
 DEFAULT_PIPELINES: dict[str, str] = {
     "SD3Generator": "stable-diffusion-3.5-medium",
     "FluxGenerator": "FLUX.1-dev",
+    "Flux2KleinGenerator": "FLUX.2-klein-base-4B",
     "WanGenerator": "Wan2.1-T2V-1.3B-Diffusers",
 }
 """The shipped pipeline a family's recipe is planned with when no folder is given."""
@@ -134,13 +132,20 @@ def to_fake(modules: list[torch.nn.Module], mode: FakeTensorMode) -> None:
 
 class LengthTokenizer:
     """Stands in for a pipeline's tokenizer: every text becomes ``max_length`` token ids, which is all the
-    memory of a text encoder depends on (the pipelines pad to a fixed length). Call it inside the fake mode."""
+    memory of a text encoder depends on (the pipelines pad to a fixed length). Call it inside the fake mode.
+    A chat template (FLUX.2 [klein]'s Qwen3 prompt) leaves the text as it is: the padding fixes the length."""
 
     model_max_length = 1 << 30  # the encoder's own limit (CLIP: 77 positions) applies
 
-    def __call__(self, texts: list[str], max_length: int | None = None, **_: Any) -> SimpleNamespace:
-        ids = torch.ones(len(texts), int(max_length or 1), dtype=torch.long)
-        return SimpleNamespace(input_ids=ids, attention_mask=torch.ones_like(ids))
+    def __call__(self, texts: str | list[str], max_length: int | None = None, **_: Any) -> BatchEncoding:
+        rows = [texts] if isinstance(texts, str) else texts
+        ids = torch.ones(len(rows), int(max_length or 1), dtype=torch.long)
+        # Both spellings the pipelines read: ``.input_ids`` and ``["input_ids"]``.
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def apply_chat_template(self, messages: list[dict[str, str]], **_: Any) -> str:
+        """The last message's text: the template's tokens would be padded away to the same length."""
+        return messages[-1]["content"]
 
 
 def _component_class(entry: list[Any]) -> type:
@@ -192,7 +197,8 @@ def build_generator(
 
     Components come from ``model_index.json`` as diffusers names them (``transformer``, ``vae``,
     ``text_encoder*``; the tokenizers become :class:`LengthTokenizer`), set on the generator under those
-    names; the transformer gets the generator's own LoRA config (``lora_config()``) and gradient
+    names; the transformer is made trainable by the generator's own ``_adapt`` (its LoRA, or with
+    ``finetune: full`` every weight in float32 beside a frozen copy, both counted) and gets gradient
     checkpointing and the VAE its slicing/tiling, as ``build()`` does. A second transformer
     (``transformer_2``, Wan2.2 A14B) gets the same LoRA and is returned as an extra resident model.
     Returns (generator, extras).
@@ -217,11 +223,13 @@ def build_generator(
         vae.enable_tiling()
     generator.vae = vae
     experts = [n for n in ("transformer", "transformer_2") if has_component(index, n)]
+    if len(experts) > 1 and generator.finetune == "full":
+        raise ValueError(f"{cls.__name__}.finetune 'full' is not supported for two-expert folders; use 'lora'")
     models = []
     for name in experts:
         model = meta_model(_component_class(index[name]), folder / name, generator.dtype)
         with torch.device("meta"):
-            model = attach_diffusers_lora(model, generator.lora_config())
+            model = generator._adapt(model)
         if generator.gradient_checkpointing:
             model.enable_gradient_checkpointing()
         models.append(model)
@@ -234,17 +242,19 @@ def build_generator(
     return generator, extras
 
 
-def build_llm(init_args: dict[str, Any], folder: Path, mode: FakeTensorMode) -> CausalLMExpert:
-    """The refiner ``CausalLMExpert(**init_args)`` with a fake LM from ``folder/config.json`` wrapped in
-    its own LoRA (``lora_config()``), in the expert's dtype (the LoRA in float32, as peft keeps it)."""
-    expert = CausalLMExpert(**{**init_args, "pretrained_path": str(folder)})
+def build_llm(
+    init_args: dict[str, Any], folder: Path, mode: FakeTensorMode, cls: type[CausalLMExpert] | None = None
+) -> CausalLMExpert:
+    """The refiner ``cls(**init_args)`` (``CausalLMExpert`` by default) with a fake LM from ``folder/config.json``
+    through the expert's own Auto class, made trainable by its own ``_adapt`` (its LoRA, the LoRA in float32 as
+    peft keeps it; or with ``finetune: full`` every weight in float32 beside a frozen copy), in the expert's dtype."""
+    expert = (cls or CausalLMExpert)(**{**init_args, "pretrained_path": str(folder)})
     config = AutoConfig.from_pretrained(str(folder))
     with torch.device("meta"), default_dtype(expert.dtype):
-        base = AutoModelForCausalLM.from_config(config)
+        base = expert.auto_model_class.from_config(config)
     _keep_fp32(base, expert.dtype)
-    base.requires_grad_(False)
     with torch.device("meta"):
-        expert.model = get_peft_model(base, expert.lora_config())
+        expert.model = expert._adapt(base)
     to_fake([expert], mode)
     return expert
 
@@ -255,6 +265,7 @@ def real_experts(
     folder: Path,
     llm_args: dict[str, Any] | None,
     llm_folder: Path | None,
+    llm_class: type[CausalLMExpert] | None = None,
 ) -> FakeExperts:
     """The same experts loaded with weights by their own ``build()`` (small folders only): what a plan's
     fake experts are checked against."""
@@ -262,7 +273,7 @@ def real_experts(
     generator.build()
     llm = None
     if llm_args is not None and llm_folder is not None:
-        llm = CausalLMExpert(**{**llm_args, "pretrained_path": str(llm_folder)})
+        llm = (llm_class or CausalLMExpert)(**{**llm_args, "pretrained_path": str(llm_folder)})
         llm.build()
     return FakeExperts(generator, llm, None, folder, llm_folder)
 

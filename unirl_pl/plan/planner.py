@@ -127,9 +127,11 @@ def build_experts(
     if recipe.llm_args is not None:
         llm_folder = resolve_folder(llm_path, recipe.llm_args.get("pretrained_path"), None, "refiner LM")
     if mode is None:
-        return real_experts(recipe.generator_class, recipe.generator_args, folder, recipe.llm_args, llm_folder)
+        return real_experts(
+            recipe.generator_class, recipe.generator_args, folder, recipe.llm_args, llm_folder, recipe.llm_class
+        )
     generator, extras = build_generator(recipe.generator_class, recipe.generator_args, folder, mode)
-    llm = None if llm_folder is None else build_llm(recipe.llm_args or {}, llm_folder, mode)
+    llm = None if llm_folder is None else build_llm(recipe.llm_args or {}, llm_folder, mode, recipe.llm_class)
     return FakeExperts(generator, llm, mode, folder, llm_folder, extras)
 
 

@@ -65,6 +65,8 @@ class StepRecipe:
         generator_args: Its ``init_args``, every one of them (without ``pipeline_path``).
         pipeline_path: The recipe's pipeline folder or hub id, if any.
         llm_args: The refiner's ``init_args``, every one of them (None: no refiner).
+        llm_class: The refiner's class (a ``CausalLMExpert`` kind: the causal LM or the VLM refiner; None: no
+            refiner).
         rollout: The rollout settings.
         mode: ``joint``, ``prompt_only`` or ``generator_only``.
         transformer_loss: The DiT's loss settings.
@@ -102,6 +104,7 @@ class StepRecipe:
     reshard_after_forward: bool
     rewards: dict[str, dict[str, Any]] = field(default_factory=dict)
     reward_paths: dict[str, str] = field(default_factory=dict)
+    llm_class: type | None = None
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -151,8 +154,9 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
     generator_class = import_class(generator["class_path"])
     if not (isinstance(generator_class, type) and issubclass(generator_class, FlowGenerator)):
         raise RecipeError(
-            "model.generator: plan needs a family generator (class_path SD3Generator, FluxGenerator or "
-            f"WanGenerator); {generator['class_path']} is built part by part and has no real-size config"
+            "model.generator: plan needs a family generator (class_path SD3Generator, FluxGenerator, "
+            f"Flux2KleinGenerator or WanGenerator); {generator['class_path']} is built part by part and has no "
+            "real-size config"
         )
     generator_args = _args(generator)
     pipeline_path = model["pipeline_path"] or generator_args.pop("pipeline_path", None)
@@ -179,6 +183,7 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
         generator_args=generator_args,
         pipeline_path=pipeline_path,
         llm_args=None if llm is None else _args(llm),
+        llm_class=None if llm is None else import_class(llm["class_path"]),
         rollout=_build(RolloutConfig, model["rollout"], "model.rollout"),
         mode=model["mode"],
         transformer_loss=_build(ExpertLoss, model["transformer_loss"], "model.transformer_loss"),

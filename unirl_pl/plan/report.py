@@ -11,7 +11,7 @@ from unirl_pl.plan.planner import PHASE_NOTES, Candidate, Plan
 from unirl_pl.plan.tracker import GiB, Usage
 
 CATEGORIES = ("weights", "trainable", "activations", "temporaries", "experience")
-HEADERS = ("weights", "LoRA+grad+opt", "activations", "temporaries", "experience")
+HEADERS = ("weights", "trained+grad+opt", "activations", "temporaries", "experience")
 
 
 def gib(value: int) -> str:

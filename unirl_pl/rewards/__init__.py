@@ -2,7 +2,8 @@
 
 ``images`` is a float tensor (N, 3, H, W) in [0, 1]; ``prompts`` are the original user prompts and
 ``refined_prompts`` what the generator was conditioned on; a reward that declares a ``metadata``
-parameter also gets each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`). A recipe names
+parameter also gets each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`), one that declares
+``replies`` the refiner's raw reply of each sample (:mod:`unirl_pl.rewards.replies`). A recipe names
 rewards as components (``class_path`` + ``init_args`` + ``weight``: :class:`RewardTerm` of a :class:`Reward`)
 or in the short form, registry names or dotted paths (``mypkg.rewards.my_reward``) with a weight each; their
 weighted sum is the scalar the advantages are computed from (after per-term group normalization when asked).
@@ -17,6 +18,7 @@ from unirl_pl.rewards.builtin import (
     ContainsWord,
     JPEGCompressibility,
     JPEGIncompressibility,
+    PromptRLFormat,
     RefinerFormat,
     RewardFn,
     RewardTerms,
@@ -49,6 +51,7 @@ __all__ = [
     "JPEGIncompressibility",
     "OCRReward",
     "PickScore",
+    "PromptRLFormat",
     "RefinerFormat",
     "Reward",
     "RewardFn",

@@ -34,7 +34,8 @@ class Reward:
     Subclass it (or write any callable with that signature and give its dotted path) and set :attr:`name`, the
     term's default metric name. ``images`` are ``(N, 3, H, W)`` in ``[0, 1]`` (videos ``(N, F, 3, H, W)``: a
     reward without ``accepts_video = True`` gets them frame by frame). A ``metadata`` keyword parameter, when
-    declared, receives each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`).
+    declared, receives each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`); a ``replies`` keyword
+    parameter each sample's raw refiner reply, None where unrefined (:mod:`unirl_pl.rewards.replies`).
     """
 
     name: ClassVar[str] = ""

@@ -11,6 +11,7 @@ import importlib
 import inspect
 import io
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ from PIL import Image
 from torch import Tensor
 
 from unirl_pl.rewards.base import Reward
+from unirl_pl.rewards.replies import Reply
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -33,6 +35,7 @@ __all__ = [
     "REGISTRY",
     "Brightness",
     "ContainsWord",
+    "PromptRLFormat",
     "RefinerFormat",
     "RewardFn",
     "RewardTerms",
@@ -157,12 +160,50 @@ class RefinerFormat(Reward):
         return scores
 
 
+class PromptRLFormat(Reward):
+    """PromptRL's format reward: 1.0 when the refiner's raw reply holds a closed ``<answer>...</answer>`` (its
+    ``format_reward``: ``re.search`` of ``<answer>.*?</answer>`` across lines), else 0.0.
+
+    It reads the reply before parsing (the ``replies`` keyword, :mod:`unirl_pl.rewards.replies`): the refined
+    prompt has lost its tags by then. PromptRL refines every sample; here a sample that kept the original prompt
+    (``num_skip_refinement``) has no reply and scores ``unrefined``, 1.0 by default, so this term only ever
+    marks a malformed reply down and never moves an unrefined sample's advantage (nor its image's) against
+    the refined ones. Validation and ``predict`` pass no replies: the refined prompts are read in their place
+    (0 for refinements parsed out of tags), so read the training curve ``reward/promptrl_format``.
+
+    Args:
+        tag: The tag name (``answer``: ``<answer>...</answer>``).
+        unrefined: The value of a sample the refiner did not refine.
+    """
+
+    name = "promptrl_format"
+
+    def __init__(self, tag: str = "answer", unrefined: float = 1.0) -> None:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", tag):
+            raise ValueError(f"tag must be a tag name such as 'answer' (no brackets or spaces), got {tag!r}")
+        if not math.isfinite(unrefined):
+            raise ValueError(f"unrefined must be a finite number, got {unrefined}")
+        self.tag, self.unrefined = tag, float(unrefined)
+        self._pattern = re.compile(f"<{re.escape(tag)}>.*?</{re.escape(tag)}>", re.DOTALL)
+
+    def __call__(
+        self,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        replies: list[Reply] | None = None,
+    ) -> list[float]:
+        texts: list[Reply] = list(refined_prompts) if replies is None else list(replies)
+        return [self.unrefined if t is None else float(self._pattern.search(t) is not None) for t in texts]
+
+
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "jpeg_compressibility": JPEGCompressibility,
     "jpeg_incompressibility": JPEGIncompressibility,
     "brightness": Brightness,
     "contains_word": ContainsWord,
     "refiner_format": RefinerFormat,
+    "promptrl_format": PromptRLFormat,
 }
 
 

@@ -19,18 +19,23 @@ Metadata = dict[str, Any] | None
 _KEYWORD_KINDS = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def accepts_metadata(fn: Any) -> bool:
-    """Whether ``fn`` (a function, or an object whose ``__call__`` is read) declares a ``metadata`` keyword.
+def accepts_keyword(fn: Any, name: str) -> bool:
+    """Whether ``fn`` (a function, or an object whose ``__call__`` is read) declares a keyword ``name``.
 
     Only a parameter of that name counts: a ``**kwargs`` catch-all may forward to code that knows nothing
-    of it, and a reward that did not ask for metadata must be called exactly as before.
+    of it, and a reward that did not ask for the extra input must be called exactly as before.
     """
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins and C callables have no signature to read
         return False
-    param = signature.parameters.get("metadata")
+    param = signature.parameters.get(name)
     return param is not None and param.kind in _KEYWORD_KINDS
+
+
+def accepts_metadata(fn: Any) -> bool:
+    """Whether ``fn`` declares a ``metadata`` keyword (:func:`accepts_keyword`)."""
+    return accepts_keyword(fn, "metadata")
 
 
 def check_metadata(items: Any, n: int) -> list[Metadata]:

@@ -46,10 +46,12 @@ def decode_while_scoring(
     refined_prompts: list[str],
     max_workers: int = 8,
     metadata: list[Any] | None = None,
+    replies: list[Any] | None = None,
 ) -> tuple[Tensor, dict[str, Callable[[], Tensor]]]:
     """Decode ``latents`` ``chunk`` at a time, submitting each decoded chunk to every scorer in a thread.
 
-    With ``metadata`` (one item per sample), each chunk's scorer call gets its slice as ``metadata=``.
+    With ``metadata`` (one item per sample), each chunk's scorer call gets its slice as ``metadata=``; the same
+    for ``replies``.
 
     Returns the images (all chunks concatenated, as one decode would give them) and, per scorer, a
     function that waits for its chunks and returns their values in order; an exception a scorer raised
@@ -63,6 +65,8 @@ def decode_while_scoring(
             pixels = decode(latents[lo : lo + chunk])
             hi = lo + pixels.shape[0]
             extra = {} if metadata is None else {"metadata": metadata[lo:hi]}
+            if replies is not None:
+                extra["replies"] = replies[lo:hi]
             for name, score in scorers.items():
                 futures[name].append(pool.submit(score, prompts[lo:hi], refined_prompts[lo:hi], pixels, **extra))
             images.append(pixels)

@@ -13,6 +13,7 @@ from torch import Tensor
 from unirl_pl.rewards.base import RewardTerm
 from unirl_pl.rewards.builtin import resolve_reward
 from unirl_pl.rewards.metadata import Metadata, accepts_metadata
+from unirl_pl.rewards.replies import Reply, accepts_replies
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -58,7 +59,8 @@ class WeightedSum:
     weighted sum (logged, and what validation reports); the normalized one is the parts' ``combined``.
 
     Per-sample ``metadata`` (each prompt's row of a JSONL prompt file: :mod:`unirl_pl.rewards.metadata`) goes
-    only to the terms whose callable declares a ``metadata`` parameter; the others are called as before.
+    only to the terms whose callable declares a ``metadata`` parameter; the others are called as before. The
+    refiner's raw ``replies`` (:mod:`unirl_pl.rewards.replies`) go the same way to terms declaring ``replies``.
 
     Args:
         weights: The terms, as components (a list of :class:`~unirl_pl.rewards.base.RewardTerm`: a built reward,
@@ -109,6 +111,7 @@ class WeightedSum:
         # name -> (the term's callable, whether it declares ``metadata``): its signature is read once, and read
         # again only if the term is replaced after construction.
         self._wants: dict[str, tuple[RewardFn, bool]] = {}
+        self._wants_replies: dict[str, tuple[RewardFn, bool]] = {}
 
     def wants_metadata(self, name: str) -> bool:
         """Whether term ``name`` declares a ``metadata`` parameter (and so is given each sample's)."""
@@ -118,6 +121,14 @@ class WeightedSum:
             known = self._wants[name] = (fn, accepts_metadata(fn))
         return known[1]
 
+    def wants_replies(self, name: str) -> bool:
+        """Whether term ``name`` declares a ``replies`` parameter (and so is given each sample's raw reply)."""
+        fn = self.terms[name]
+        known = self._wants_replies.get(name)
+        if known is None or known[0] is not fn:
+            known = self._wants_replies[name] = (fn, accepts_replies(fn))
+        return known[1]
+
     def score_term(
         self,
         name: str,
@@ -125,10 +136,16 @@ class WeightedSum:
         refined_prompts: list[str],
         images: Tensor,
         metadata: list[Metadata] | None = None,
+        replies: list[Reply] | None = None,
     ) -> Tensor:
         """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
         fn = self.terms[name]
         video = images.ndim == 5 and not getattr(fn, "accepts_video", False)
+        if replies is not None and self.wants_replies(name):
+            if len(replies) != len(prompts):
+                raise ValueError(f"reward {name!r}: {len(replies)} replies for {len(prompts)} samples")
+            frames = images.shape[1] if video else 1
+            fn = partial(fn, replies=[r for r in replies for _ in range(frames)])
         if metadata is not None and self.wants_metadata(name):
             if len(metadata) != len(prompts):
                 raise ValueError(f"reward {name!r}: {len(metadata)} metadata items for {len(prompts)} samples")
@@ -149,6 +166,7 @@ class WeightedSum:
         pending: dict[str, Callable[[], Tensor]] | None = None,
         batch_std: Callable[[Tensor], Tensor | None] | None = None,
         metadata: list[Metadata] | None = None,
+        replies: list[Reply] | None = None,
     ) -> tuple[Tensor, RewardTerms]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
@@ -158,7 +176,8 @@ class WeightedSum:
         same prompt form a group). ``pending`` holds terms already being scored (during decode): name ->
         a function returning their values, called here instead of the reward. ``batch_std`` returns a term's
         std over every rank (None on one process), the scale of ``normalize="group"``. ``metadata`` (N,) is each
-        sample's prompt metadata, given to the terms that declare a ``metadata`` parameter.
+        sample's prompt metadata, given to the terms that declare a ``metadata`` parameter; ``replies`` (N,) each
+        sample's raw refiner reply (None where unrefined), given to the terms that declare ``replies``.
         """
         pending = pending or {}
         parts = RewardTerms()
@@ -166,7 +185,7 @@ class WeightedSum:
             if name in pending:
                 parts[name] = as_values(name, pending[name](), len(prompts), "samples")
             else:
-                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata)
+                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata, replies)
         bad = torch.zeros(len(prompts), dtype=torch.bool)
         for name, values in parts.items():
             nonfinite = ~torch.isfinite(values)
