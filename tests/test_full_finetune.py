@@ -254,3 +254,15 @@ def test_full_family_generator_exports_a_pipeline_folder(tmp_path):
     assert (ours - theirs).abs().max().item() <= 1e-6
     assert (ours - base).abs().max().item() > 1e-4, "the folder holds the trained transformer, not the base"
     assert (tmp_path / "out" / "vae" / "config.json").is_file() and (tmp_path / "out" / "model_index.json").is_file()
+
+
+def test_fsdp2_computes_a_low_precision_full_fine_tune_in_its_dtype():
+    """Under FSDP2 a bf16 full fine-tune keeps float32 master weights and computes in bf16, reducing gradients in
+    float32 (DeepSpeed's bf16); a LoRA expert and a float32 full fine-tune compute in their parameters' dtype."""
+    from unirl_pl.distributed import mixed_precision
+
+    bf16_full = TinyCausalLMExpert(dtype="bfloat16", finetune="full")
+    policy = mixed_precision(bf16_full)
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    for expert in (TinyCausalLMExpert(dtype="bfloat16"), TinyCausalLMExpert(finetune="full")):
+        assert mixed_precision(expert).param_dtype is None and mixed_precision(expert).reduce_dtype is None

@@ -41,10 +41,23 @@ def shard_experts(experts: dict[str, Any], trained: list[str], mesh: Any, reshar
         expert = experts[name]
         models = list(getattr(expert, "transformers", None) or [expert.model])
         reference = expert._modules.get("reference_model")
+        options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward, "mp_policy": mixed_precision(expert)}
         for model in [*models, *([reference] if reference is not None else [])]:
             for block in transformer_blocks(model):
-                fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-            fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+                fully_shard(block, **options)
+            fully_shard(model, **options)
+
+
+def mixed_precision(expert: Any) -> Any:
+    """FSDP2's precision for ``expert``: a full fine-tune whose ``dtype`` is below float32 computes in that dtype
+    from its float32 master weights and reduces gradients in float32 (what DeepSpeed's ``bf16`` does); every
+    other expert computes in its parameters' own dtype (LoRA: the base's dtype, the adapter's float32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = getattr(expert, "dtype", torch.float32)
+    if getattr(expert, "finetune", "lora") == "full" and dtype != torch.float32:
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def token_loss_weight(mask: Tensor, strategy: Any) -> float:
