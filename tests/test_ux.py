@@ -77,7 +77,7 @@ def _returns_first_batch(monkeypatch):
     def validation_step(self, batch, batch_idx):
         out = original(self, batch, batch_idx)
         if out is None and batch_idx == 0:
-            refined, images = self.serve(batch)
+            refined, images, _ = self.serve(batch)
             total, _ = self.reward_fn(batch.prompts, refined, images)
             out = {"prompts": batch.prompts, "refined": refined, "images": images, "rewards": total.tolist()}
         return out

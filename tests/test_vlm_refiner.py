@@ -244,7 +244,8 @@ def test_tiny_fit_with_the_vlm_refiner_hands_replies_to_rewards(tmp_path: Path, 
     cli = run_cli(
         tmp_path,
         "--trainer.max_steps=2",
-        "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.val_check_interval=2",
         f"--model.llm={json.dumps(llm)}",
         '--model.rewards={"promptrl_format": 0.5, "tests.test_vlm_refiner.ReplyProbe": 0.1, "brightness": 0.5}',
         f'--model.reward_args={{"tests.test_vlm_refiner.ReplyProbe": {{"path": "{probe}"}}}}',
@@ -257,8 +258,10 @@ def test_tiny_fit_with_the_vlm_refiner_hands_replies_to_rewards(tmp_path: Path, 
     assert series(rows, "reward/promptrl_format")
     # 4 prompts x 4 samples a step, the first sample of each prompt unrefined (num_skip_refinement: 1).
     seen = [json.loads(line) for line in probe.read_text().splitlines()]
-    assert len(seen) == 2  # one call a step: replies are a training input only
-    for replies in seen:
+    assert len(seen) == 3  # one call a step, then the validation after step 2
+    for replies in seen[:2]:
         assert len(replies) == 16
         assert [r is None for r in replies] == [i % 4 == 0 for i in range(16)]
         assert all(isinstance(r, str) for i, r in enumerate(replies) if i % 4)
+    # Validation refines every prompt greedily and hands those replies over too.
+    assert seen[2] and all(isinstance(r, str) for r in seen[2])

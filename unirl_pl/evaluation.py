@@ -25,12 +25,14 @@ def serve(
     conditioning: Conditioner,
     batch: PromptBatch,
     guided: bool,
-) -> tuple[list[str], Tensor]:
-    """Refined prompts (the prompts themselves without a refiner) and pixels for ``batch``."""
+) -> tuple[list[str], Tensor, list[str | None]]:
+    """Refined prompts (the prompts themselves without a refiner), pixels and the refiner's raw replies (None
+    without a refiner) for ``batch``."""
     n = len(batch.prompts)
-    refined = list(batch.prompts)
+    refined, replies = list(batch.prompts), [None] * n
     if ar_decode is not None:
-        refined, _ = ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed)
+        refined, record = ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed)
+        replies = list(record.replies) or replies
     latents, _ = diffusion_denoise.sample(
         conditioning.encode(refined),
         batch.request_ids,
@@ -39,7 +41,7 @@ def serve(
         seed=batch.seed,
         uncond=conditioning.uncond(guided),
     )
-    return refined, conditioning.decode(latents)
+    return refined, conditioning.decode(latents), replies
 
 
 def validation_keys(reward: WeightedSum) -> list[str]:

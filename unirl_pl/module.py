@@ -350,24 +350,24 @@ class UniRLModule(pl.LightningModule):
         return self.policy.describe_row(name, exp, row)
 
     # ------------------------------------------------------------------ evaluation
-    def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor]:
-        """Refined prompts and pixels on the deterministic serve path (greedy tokens, ODE), with the evaluation
-        sampler's steps and guidance."""
+    def serve(self, batch: PromptBatch) -> tuple[list[str], Tensor, list[str | None]]:
+        """Refined prompts, pixels and raw replies on the deterministic serve path (greedy tokens, ODE), with the
+        evaluation sampler's steps and guidance."""
         assert self.eval_denoise is not None, "configure_model() builds the loops"
         guided = self.eval_config.guided
         return serve(self.ar_decode, self.eval_denoise, self.conditioning, batch, guided)
 
-    def _reward_for(self, batch: PromptBatch) -> WeightedSum:
-        """The reward with the real prompts' metadata bound to it (the evaluation path calls it without)."""
-        if batch.metadata is None:
-            return self.reward_fn
-        return WithMetadata(self.reward_fn, batch.metadata[: batch.real])  # type: ignore[return-value]
+    def _reward_for(self, batch: PromptBatch, replies: list[str | None]) -> WeightedSum:
+        """The reward with the real prompts' metadata and the refiner's replies bound to it (the evaluation path
+        calls it without)."""
+        metadata = None if batch.metadata is None else batch.metadata[: batch.real]
+        return WithMetadata(self.reward_fn, metadata, replies[: batch.real])  # type: ignore[return-value]
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
-        refined, images = self.serve(batch)
+        refined, images, replies = self.serve(batch)
         n = batch.real  # shard padding ran (every rank made the same forwards) but is not scored
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        scores, total = validation_scores(self._reward_for(batch), prompts, refined, images)
+        scores, total = validation_scores(self._reward_for(batch, replies), prompts, refined, images)
         self.val_metrics.update(scores)
         # Every rank logs every key, its shard's missing categories too: each metric's sum and count are summed
         # over ranks when the epoch's values are first read, so the all-gathers line up and N ranks equal one.
@@ -378,10 +378,10 @@ class UniRLModule(pl.LightningModule):
         return pictures if batch_idx == 0 else None
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
-        refined, images = self.serve(batch)
+        refined, images, replies = self.serve(batch)
         n = batch.real
         prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        total, _ = self._reward_for(batch)(prompts, refined, images)
+        total, _ = self._reward_for(batch, replies)(prompts, refined, images)
         return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints

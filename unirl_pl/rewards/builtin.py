@@ -168,8 +168,8 @@ class PromptRLFormat(Reward):
     prompt has lost its tags by then. PromptRL refines every sample; here a sample that kept the original prompt
     (``num_skip_refinement``) has no reply and scores ``unrefined``, 1.0 by default, so this term only ever
     marks a malformed reply down and never moves an unrefined sample's advantage (nor its image's) against
-    the refined ones. Validation and ``predict`` pass no replies: the refined prompts are read in their place
-    (0 for refinements parsed out of tags), so read the training curve ``reward/promptrl_format``.
+    the refined ones. Validation and ``predict`` pass the greedy replies too; a caller that passes none gets
+    the refined prompts read in their place (0 for refinements parsed out of tags).
 
     Args:
         tag: The tag name (``answer``: ``<answer>...</answer>``).

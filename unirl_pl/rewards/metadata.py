@@ -52,21 +52,22 @@ def check_metadata(items: Any, n: int) -> list[Metadata]:
 
 
 class WithMetadata:
-    """A weighted reward whose every call carries fixed per-sample metadata, for a caller that only knows
-    ``reward(prompts, refined_prompts, images)`` (validation and predict score a batch that way).
+    """A weighted reward whose every call carries fixed per-sample metadata and refiner replies (either may be
+    None), for a caller that only knows ``reward(prompts, refined_prompts, images)`` (validation and predict
+    score a batch that way).
 
     Everything else (``terms``, ``weights``, ...) is the wrapped reward's.
     """
 
-    def __init__(self, reward: Any, metadata: list[Metadata]) -> None:
-        self.reward, self.metadata = reward, metadata
+    def __init__(self, reward: Any, metadata: list[Metadata] | None, replies: list[str | None] | None = None) -> None:
+        self.reward, self.metadata, self.replies = reward, metadata, replies
 
     def __getattr__(self, name: str) -> Any:
-        # Only called for names not set in __init__: the wrapped reward answers them. Its own two fields are
+        # Only called for names not set in __init__: the wrapped reward answers them. Its own fields are
         # refused here, so a half-built copy (copy, pickle) cannot recurse looking for ``reward``.
-        if name in ("reward", "metadata"):
+        if name in ("reward", "metadata", "replies"):
             raise AttributeError(name)
         return getattr(self.reward, name)
 
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: Any, **kwargs: Any) -> Any:
-        return self.reward(prompts, refined_prompts, images, metadata=self.metadata, **kwargs)
+        return self.reward(prompts, refined_prompts, images, metadata=self.metadata, replies=self.replies, **kwargs)

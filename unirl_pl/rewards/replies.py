@@ -5,9 +5,9 @@ format reward: was the prompt inside ``<answer>...</answer>``?) needs the reply 
 already taken apart. A reward opts in by declaring a ``replies`` parameter,
 ``reward(prompts, refined_prompts, images, replies=None)``, and then gets one item per sample: the decoded
 reply of that sample's refinement (special tokens dropped, cut at its end token), or None for a sample that
-kept the original prompt (``num_skip_refinement``, or a run without a refiner). Callers pass it only to
-rewards that declare it, and only in training: validation and ``predict`` call rewards without it, so a
-reward must accept ``replies=None``.
+kept the original prompt (``num_skip_refinement``, or a run without a refiner). Training, validation and
+``predict`` pass it to the rewards that declare it; a caller of its own may not, so a reward must accept
+``replies=None``.
 """
 
 from __future__ import annotations
