@@ -29,6 +29,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "GRPO-Guard": ("GRPO-Guard", "verl-omni"),
     "Wan2.1": ("Wan2.1", "flow_grpo"),
     "Wan2.2": ("Wan2.2",),
+    "PromptRL": ("PromptRL", "UniRL"),
 }
 _NAMES = "|".join(re.escape(name) for name in sorted(REFERENCES, key=len, reverse=True))
 # "as Flow-GRPO ...", "as in MixGRPO", "as DiffusionNFT's ..."; "Flow-GRPO-Fast as published".
@@ -38,7 +39,10 @@ HEADING = re.compile(r"^(#{2,6})\s+(.*)$")
 
 
 def recipe_files() -> list[str]:
-    files = sorted((ROOT / "recipes").glob("*.yaml")) + sorted((ROOT / "recipes" / "algorithms").glob("*.yaml"))
+    files = sorted((ROOT / "recipes").glob("*.yaml"))
+    files += sorted((ROOT / "recipes" / "algorithms").glob("*.yaml")) + sorted(
+        (ROOT / "recipes" / "overlays").glob("*.yaml")
+    )
     return [path.relative_to(ROOT).as_posix() for path in files]
 
 
@@ -126,6 +130,7 @@ def test_claim_pattern() -> None:
     assert CLAIM.search("# as Flow-GRPO decodes FLUX").group(1) == "Flow-GRPO"
     assert CLAIM.search("# Flow-GRPO-Fast as published (yifan123)").group(2) == "Flow-GRPO"
     assert CLAIM.search("# 4.0 and 3.0, as Wan2.2 samples").group(1) == "Wan2.2"
+    assert CLAIM.search("# PromptRL as its authors run it; as PromptRL trains FLUX").group(1) == "PromptRL"
     assert CLAIM.search("# As Flow-GRPO's `general_ocr_sd3`").group(1) == "Flow-GRPO"
     assert CLAIM.search("# decodes FLUX in float32, as Flow-GRPO.").group(1) == "Flow-GRPO"
     assert CLAIM.search("# as WanPipeline does") is None
