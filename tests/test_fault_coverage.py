@@ -342,7 +342,7 @@ def test_drop_with_several_images_per_text_gives_the_dropped_image_advantage_zer
 def _with_rewards(monkeypatch, model, values: list[float], scheme: str = "shared") -> None:
     """The experience source scores with ``values`` (in sample order) and drops non-finite ones."""
 
-    def reward(prompts, refined, images):
+    def reward(prompts, refined, images, **keywords):  # stands in for the WeightedSum, which takes replies
         assert len(prompts) == len(values)
         total = torch.tensor(values)
         return total, {"fixed": total}
