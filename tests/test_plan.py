@@ -18,6 +18,7 @@ from diffusers import AutoencoderKLWan, FluxTransformer2DModel, SD3Transformer2D
 from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2ForCausalLM,
     T5EncoderModel,
     UMT5EncoderModel,
@@ -27,13 +28,14 @@ from tests.chat_lm import make_qwen2_chat_lm
 from tests.pipelines import make_sd3_pipeline
 from unirl_pl.algorithms import FlowGRPO
 from unirl_pl.algorithms.drivers import dit_loss
+from unirl_pl.card import Role
 from unirl_pl.cli import main
 from unirl_pl.errors import ConfigError
 from unirl_pl.generators import SD3Generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.method import ExpertLoss
 from unirl_pl.plan.models import SHIPPED, meta_model, resolve_folder
-from unirl_pl.plan.planner import plan_step
+from unirl_pl.plan.planner import build_experts, plan_step, steady_state
 from unirl_pl.plan.recipe import RecipeError, parsed_recipe, step_recipe
 from unirl_pl.plan.search import candidates_up_to, largest_fitting
 from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker, usage_from_snapshot
@@ -276,7 +278,9 @@ def test_recipe_reading_merges_overlays_and_rejects_unknown_keys(tmp_path):
     [
         # Published sizes: the model cards (Qwen2.5: 1.54B, 7.61B), FINDINGS.md (SD3.5-M's transformer built
         # by diffusers, 2.24B), BFL/diffusers (FLUX.1 transformer 11.90B), T5-XXL's encoder 4.76B and UMT5-XXL's
-        # 5.68B, OpenCLIP bigG text 0.695B and CLIP-L text 0.124B (with projection), Wan2.1's 1.42B and 14.29B.
+        # 5.68B, OpenCLIP bigG text 0.695B and CLIP-L text 0.124B (with projection), Wan2.1's 1.42B and 14.29B,
+        # Qwen2.5-VL-3B-Instruct 3,754,622,976 with its vision tower (the checkpoint's two bf16 safetensors shards
+        # hold 7,509,245,952 bytes; the model card calls it 3B).
         ("stable-diffusion-3.5-medium/transformer", SD3Transformer2DModel, 2.24),
         ("stable-diffusion-3.5-medium/text_encoder", CLIPTextModelWithProjection, 0.124),
         ("stable-diffusion-3.5-medium/text_encoder_2", CLIPTextModelWithProjection, 0.695),
@@ -290,12 +294,61 @@ def test_recipe_reading_merges_overlays_and_rejects_unknown_keys(tmp_path):
         ("Wan2.1-T2V-1.3B-Diffusers/vae", AutoencoderKLWan, 0.127),
         ("Qwen2.5-1.5B-Instruct", Qwen2ForCausalLM, 1.54),
         ("Qwen2.5-7B-Instruct", Qwen2ForCausalLM, 7.61),
+        ("Qwen2.5-VL-3B-Instruct", Qwen2_5_VLForConditionalGeneration, 3.755),
     ],
 )
 def test_shipped_configs_build_the_published_sizes(folder, cls, billions):
     model = meta_model(cls, SHIPPED / folder, torch.bfloat16)
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     assert abs(count / 1e9 - billions) <= 0.01 * billions, count
+
+
+# PromptRL's recipes as a user plans them (no folder: the shipped configs); the published sizes of the trained
+# models: FLUX.2 [klein] base 4B's transformer 3.88B, FLUX.1-dev's 11.90B; Qwen2.5-VL-3B-Instruct 3.755B of which
+# its vision tower (frozen under full fine-tuning) 0.669B.
+PROMPTRL = {"promptrl_klein": ("FLUX.2-klein-base-4B", 3.88e9), "promptrl_flux": ("FLUX.1-dev", 11.90e9)}
+QWEN25_VL_3B, QWEN25_VL_3B_VISION = 3_754_622_976, 668_684_288
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PROMPTRL))
+def test_promptrl_recipes_build_both_experts_fully_fine_tuned(name):
+    """``plan --config recipes/promptrl_*.yaml`` builds the shipped FLUX and Qwen2.5-VL-3B configs with every weight
+    of the DiT and of the refiner's language model trainable in float32 (the vision tower frozen), a frozen copy
+    of each as the KL reference, and in steady state (weights, gradients, AdamW's two moments) 16 bytes per
+    trained weight: 4 bytes x 3-4 x the parameters of both experts, where LoRA would hold a few hundred MiB."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unirl_pl.experts import VLMRefinerExpert
+    from unirl_pl.experts.finetune import reference_of
+    from unirl_pl.plan.tracker import PlanMemTracker
+
+    folder, dit_params = PROMPTRL[name]
+    recipe = step_recipe(parsed_recipe(["--config", str(ROOT / "recipes" / f"{name}.yaml")]))
+    assert recipe.llm_class is VLMRefinerExpert and recipe.devices == 6 and recipe.fsdp
+    mode = FakeTensorMode()
+    experts = build_experts(recipe, None, None, mode)
+    assert (experts.pipeline_folder, experts.llm_folder) == (SHIPPED / folder, SHIPPED / "Qwen2.5-VL-3B-Instruct")
+    dit, llm = experts.generator.model, experts.llm
+    assert isinstance(llm.model, Qwen2_5_VLForConditionalGeneration)
+    unique = lambda module: {id(p): p for p in module.parameters()}.values()  # noqa: E731 - tied embeddings once
+    trained = [p for m in (dit, llm) for p in unique(m) if p.requires_grad]
+    assert all(p.dtype == torch.float32 for p in trained)
+    assert abs(sum(p.numel() for p in unique(dit) if p.requires_grad) - dit_params) <= 0.01 * dit_params
+    assert sum(p.numel() for p in unique(llm.model) if p.requires_grad) == QWEN25_VL_3B - QWEN25_VL_3B_VISION
+    assert sum(p.numel() for p in unique(llm.model) if not p.requires_grad) == QWEN25_VL_3B_VISION
+    for owner, policy in ((experts.generator, dit), (llm, llm.model)):
+        reference = reference_of(owner)
+        assert reference is not None and not any(p.requires_grad for p in reference.parameters())
+        assert sum(p.numel() for p in unique(reference)) == sum(p.numel() for p in unique(policy))
+    count = sum(p.numel() for p in trained)
+    with mode:
+        optimizers, _ = steady_state(experts, recipe, [Role.GENERATOR, Role.REFINER])
+        tracker = PlanMemTracker(sum(p.numel() * p.element_size() for p in trained))
+        tracker.track_external(*experts.modules(), *optimizers)
+        held = tracker.current().trainable
+    # Weights, gradients and AdamW's two moments in float32, and AdamW's float32 step counter per tensor.
+    assert 3 * 4 * count <= held <= 4 * 4 * count + 4 * len(trained), (held, count)
 
 
 # ------------------------------------------------------------------ the command

@@ -32,8 +32,10 @@ from unirl_pl.plan.tracker import GiB
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
-FAMILIES = ("SD3Generator", "FluxGenerator", "WanGenerator")
-SHIPPED_GPU_RECIPES = {"sd35", "sd35_ocr", "sd35_pickscore", "flux", "wan_t2v", "wan22_t2v"}
+FAMILIES = ("SD3Generator", "FluxGenerator", "Flux2KleinGenerator", "WanGenerator")
+SHIPPED_GPU_RECIPES = {
+    "sd35", "sd35_ocr", "sd35_pickscore", "flux", "wan_t2v", "wan22_t2v", "promptrl_klein", "promptrl_flux"
+}  # fmt: skip
 
 
 def gpu_recipes() -> list[str]:

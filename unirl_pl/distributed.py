@@ -19,15 +19,29 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+# Names of block lists, by kind: a kind found in a model gives all of its lists (FLUX's double and single stream).
+BLOCK_LISTS: tuple[tuple[str, ...], ...] = (
+    ("transformer_blocks", "single_transformer_blocks"),
+    ("layers",),
+    ("blocks",),
+)
+
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of a peft-wrapped causal LM (``layers``) or a diffusers DiT (``transformer_blocks``;
-    ``blocks`` in Wan)."""
-    for name in ("transformer_blocks", "layers", "blocks"):
-        for module in model.modules():
-            blocks = getattr(module, name, None)
-            if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
-                return list(blocks)
+    """The repeated blocks of a peft-wrapped causal LM (``layers``) or a diffusers DiT (``transformer_blocks``, and
+    FLUX's ``single_transformer_blocks`` beside them; ``blocks`` in Wan). Each is an FSDP2 unit of its own: a list
+    left out would sit in the root unit, gathered whole for every forward (FLUX.1-dev's 38 single blocks: 5.4B
+    parameters) and its gradients reduced all at once."""
+    for names in BLOCK_LISTS:
+        found = [
+            block
+            for module in model.modules()
+            for name in names
+            if isinstance(blocks := getattr(module, name, None), torch.nn.ModuleList)
+            for block in blocks
+        ]
+        if found:
+            return list(dict.fromkeys(found))
     raise ValueError(f"found no transformer blocks in {type(model).__name__}")
 
 

@@ -5,8 +5,10 @@ reference policy is the same model with the adapter bypassed. With ``finetune: f
 both experts) every weight of the model trains except the parts an expert names as frozen (a VLM's vision
 tower), and the reference is a frozen copy of the initial weights: nothing else can be, because no weights are
 left unchanged. The trained weights are float32 (the master weights DeepSpeed's and FSDP's mixed precision keep
-too: at bf16, an update of lr 2e-7 on a weight of 1e-2 rounds to nothing); the copy is taken after that cast,
-so policy and reference are the same function at the first step and the KL starts at exactly 0.
+too: at bf16, an update of lr 2e-7 on a weight of 1e-2 rounds to nothing); the copy is taken before that cast,
+in the checkpoint's own dtypes (a bf16 reference costs half a float32 one, and PromptRL loads its reference in
+bf16 too). A float32 expert's KL starts at exactly 0; a bf16 one's is exactly 0 where FSDP2 computes the policy
+in bf16 from its master weights (their bf16 values are the checkpoint's) and at kernel-noise level elsewhere.
 
 The copy is a registered child of the expert (Lightning moves it with the module, FSDP2 shards it like the
 policy), frozen and in eval mode. Checkpoints drop it with every other frozen weight (``trim_frozen``):
@@ -60,8 +62,8 @@ def adapt(
     as the reference. Call it inside ``seeded_cpu_init`` so a LoRA init is seeded."""
     if owner.finetune == "lora":
         return attach_lora(model)
+    attach_reference(owner, model)  # as loaded: the reference keeps the checkpoint's own dtypes
     make_fully_trainable(model, frozen)
-    attach_reference(owner, model)
     return model
 
 

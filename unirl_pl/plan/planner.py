@@ -166,8 +166,11 @@ def fake_ranks(world: int) -> Iterator[Any]:
 
 def shard(experts: FakeExperts, trained: list[str], mesh: Any, reshard_after_forward: bool) -> None:
     """FSDP2 as a fit applies it: ``distributed.shard_experts`` on the trained experts (every generator
-    transformer, the refiner LM); frozen parts stay whole on every rank."""
-    parts = {Role.GENERATOR: SimpleNamespace(transformers=experts.transformers())}
+    transformer, the refiner LM, and a full fine-tune's frozen reference copy like its policy); frozen parts stay
+    whole on every rank."""
+    # The generator's children as ``shard_experts`` reads them (its ``reference_model`` under ``finetune: full``).
+    generator = SimpleNamespace(transformers=experts.transformers(), _modules=experts.generator._modules)
+    parts = {Role.GENERATOR: generator}
     if experts.llm is not None:
         parts[Role.REFINER] = experts.llm
     shard_experts(parts, trained, mesh, reshard_after_forward)

@@ -133,7 +133,9 @@ class Tracer:
         start = time.monotonic()
         with tracker:
             yield tracker
-        self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {tracker.peak().total / 2**30:.1f} GiB")
+        # A trace with marks (the training step) restarts its peak at each: the trace's peak is the highest part.
+        peak = max(u.total for u in [tracker.peak(), *tracker.marks.values()])
+        self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {peak / 2**30:.1f} GiB")
 
 
 def experience(
