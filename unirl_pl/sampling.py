@@ -229,3 +229,20 @@ def flow_kl(mean: Tensor, ref_mean: Tensor, std: Tensor) -> Tensor:
     """
     dims = tuple(range(1, mean.ndim))
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
+
+
+def promptrl_kl(
+    mean: Tensor, ref_mean: Tensor, std: Tensor, sigma: float | Tensor, sigma_next: float | Tensor
+) -> Tensor:
+    """Per-sample KL of one SDE step in PromptRL's form: the variance is the step's own, ``(std sqrt(-dt))^2``.
+
+    ``mean((mean - ref_mean)^2) / (2 (std sqrt(-dt))^2)`` over non-batch dims, with ``std`` the
+    :func:`flow_sde_step_with_logprob` noise scale (before its ``sqrt(-dt)``) and ``dt = sigma_next - sigma``
+    (floats or (B,) tensors), formed in float32 as the step forms its scale, so the divisor is the variance the
+    log-prob used. This is :func:`flow_kl` divided by ``-dt``: Flow-GRPO divides by ``2 std^2`` only, PromptRL
+    (G-U-N/UniRL's trainer, whose SDE step returns ``std sqrt(-dt)``) by the full variance.
+    """
+    s = _as_batch(sigma, mean).reshape(-1)
+    s_next = _as_batch(sigma_next, mean).reshape(-1)
+    scale = std.reshape(std.shape[0], -1)[:, 0] * torch.sqrt(s - s_next)
+    return ((mean - ref_mean) ** 2).mean(dim=tuple(range(1, mean.ndim))) / (2 * scale**2)

@@ -141,6 +141,17 @@ class RefinerAlgorithm(Algorithm):
     position = "token"
     phase = "lm_loss"
 
+    def check_settings(self, settings: Any) -> None:
+        """Refuse a generator-only loss setting: ``kl_form`` picks the form of the DiT's KL of SDE-step means,
+        and the refiner's KL is the k3 of its token log-probs whatever it says (accepting it would look like it
+        changed something)."""
+        form = getattr(settings, "kl_form", "flow_grpo")
+        if form != "flow_grpo":
+            raise ValueError(
+                f"model.llm_loss.kl_form={form!r}: kl_form sets the generator's KL of SDE-step means "
+                "(model.transformer_loss.kl_form); the refiner's KL is the k3 of token log-probs: leave it 'flow_grpo'"
+            )
+
     def train_groups(self, text_rewards: Tensor, groups: Tensor) -> Tensor | None:
         """Which prompt groups of the step's rollout the refiner trains on: a (P,) bool mask over the groups
         ``0..P-1``, given every text sample's reward and its group; None (the default) trains on all. Called

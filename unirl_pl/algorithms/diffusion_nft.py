@@ -108,6 +108,13 @@ class DiffusionNFT(GeneratorAlgorithm):
             raise ValueError(
                 "DiffusionNFT has no likelihood to reweight: set model.transformer_loss.rollout_correction=off"
             )
+        if getattr(settings, "kl_form", "flow_grpo") != "flow_grpo":
+            # Its KL term is the squared velocity distance to the reference at forward-process points: no SDE
+            # step, so no step variance for PromptRL's form to divide by.
+            raise ValueError(
+                "DiffusionNFT's KL is the mean squared velocity distance to the reference (no SDE step to take a "
+                "variance from): leave model.transformer_loss.kl_form at its default, flow_grpo"
+            )
 
     def decay(self, step: int) -> float:
         """The old policy's decay after ``step`` training steps."""

@@ -23,7 +23,7 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.losses import Aggregation, LossOutput, flow_grpo_loss, token_policy_loss
 from unirl_pl.records import DiTRecord, LMRecord
 from unirl_pl.rollout_correction import truncated_importance_weights
-from unirl_pl.sampling import flow_kl
+from unirl_pl.sampling import flow_kl, promptrl_kl
 
 Reference = Callable[[], AbstractContextManager[None]]
 """A context in which the expert is its reference policy (its adapter disabled)."""
@@ -40,6 +40,8 @@ class LossSettings(Protocol):
     def rollout_correction(self) -> str: ...
     @property
     def tis_cap(self) -> float: ...
+    @property
+    def kl_form(self) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def per_step_loss(inputs: LossInputs, term: StepTerm, backward: Callable[[Tensor
     for step, (a, b) in record.steps():
         logp, mean, std = loop.step_logprob(record, step, (a, b))
         recomputed[a:b, step] = logp.detach()
-        kl = step_kl(loop, record, step, (a, b), mean, std, settings.beta, inputs.reference)
+        kl = step_kl(loop, record, step, (a, b), mean, std, settings.beta, inputs.reference, settings.kl_form)
         behavior = record.old_logp[a:b, step]
         old, weights = anchor_and_weights(logp, behavior, settings, None if anchor is None else anchor[a:b, step])
         add_part(parts, (b - a) / total, term(step, slice(a, b), logp, mean, std, kl, old, weights), backward)
@@ -183,13 +185,27 @@ def step_kl(
     std: Tensor,
     beta: float,
     reference: Reference,
+    kl_form: str = "flow_grpo",
 ) -> Tensor | None:
-    """Flow-GRPO's per-sample KL of one (step, micro-batch) to the adapter-disabled reference; None when
-    ``beta`` is 0 (the reference forward is then not paid for)."""
+    """The per-sample KL of one (step, micro-batch)'s mean to the adapter-disabled reference's, in ``kl_form``
+    (``ExpertLoss.kl_form``: Flow-GRPO's :func:`~unirl_pl.sampling.flow_kl`, or PromptRL's
+    :func:`~unirl_pl.sampling.promptrl_kl` on the record's own sigmas); None when ``beta`` is 0 (the reference
+    forward is then not paid for)."""
     if beta <= 0:
         return None
+    if kl_form not in ("flow_grpo", "promptrl"):
+        raise ValueError(f"kl_form must be 'flow_grpo' or 'promptrl', got {kl_form!r}")
+    if kl_form == "promptrl" and record.kind != "sde":
+        # The algorithms refuse this in check_settings; a direct caller gets the same reason.
+        raise ValueError(
+            f"kl_form 'promptrl' divides by the Gaussian SDE step's -dt; a {record.kind!r} step's std "
+            "is already its full noise scale: use kl_form 'flow_grpo'"
+        )
     with torch.no_grad(), reference():
         _, ref_mean, _ = loop.step_logprob(record, step, chunk)
+    if kl_form == "promptrl":
+        s, s_next, _ = record.step_sigmas(step, chunk)
+        return promptrl_kl(mean, ref_mean, std, s, s_next)
     return flow_kl(mean, ref_mean, std)
 
 

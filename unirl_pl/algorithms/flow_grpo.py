@@ -81,6 +81,17 @@ class FlowGRPO(GeneratorAlgorithm):
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
         self.window(loop.config)  # a window past the schedule fails at build time, not at the first rollout
 
+    def check_settings(self, settings: Any) -> None:
+        """PromptRL's KL form divides Flow-GRPO's by the SDE step's ``-dt`` (its std before ``sqrt(-dt)``); the CPS
+        step's std is already its full noise scale, so there the two forms are the same number and the option
+        would do nothing."""
+        if getattr(settings, "kl_form", "flow_grpo") == "promptrl" and self.kind != "sde":
+            raise ValueError(
+                f"{type(self).__name__}: model.transformer_loss.kl_form='promptrl' rescales the Gaussian SDE step's KL "
+                f"by 1 / -dt; the {self.kind!r} step's std is already its full noise scale (its KL is that form "
+                "already): set kl_form: flow_grpo, or use unirl_pl.algorithms.FlowGRPO"
+            )
+
     # ------------------------------------------------------------------ what the rollout records
     def window(self, config: RolloutConfig) -> tuple[int, int]:
         """The ``[start, end)`` stochastic steps of every sample, checked against ``config.num_steps``."""

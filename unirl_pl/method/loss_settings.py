@@ -29,6 +29,16 @@ class ExpertLoss:
             mini-batches, prompt groups kept whole (:mod:`unirl_pl.method.minibatch`). The first is on-policy
             (the C2 gate proves it on the whole rollout, before any update); the later ones are stale by design,
             which is what the clip range acts on. 1: the whole rollout in one step.
+        kl_form: The generator's KL of the SDE-step means to the reference (the refiner's is the k3 of its token
+            log-probs, and refuses anything but the default). ``flow_grpo``: ``mean((mean - mean_ref)^2) / (2
+            std^2)`` with ``std`` the step's noise scale before its ``sqrt(-dt)``, as Flow-GRPO's SD3 trainer
+            (the project's numbers so far). ``promptrl``: ``mean((mean - mean_ref)^2) / (2 (std sqrt(-dt))^2)``,
+            the KL per latent element of the two Gaussians the step draws from, as PromptRL's trainer
+            (G-U-N/UniRL ``geneval_grpo_trainer.py``): the Flow-GRPO form divided by ``-dt``, so the same ``beta``
+            weighs the KL ``1 / -dt`` times more and the steps unequally (the main recipe's first 4 of 10 steps at
+            shift 3: 28x, 24x, 21x, 18x).
+            Only for the Gaussian SDE step: CPS's ``std`` is already its step's full scale (the two forms agree
+            there, so it is refused) and DiffusionNFT has no SDE step.
     """
 
     clip_eps: float = 0.2
@@ -37,8 +47,11 @@ class ExpertLoss:
     rollout_correction: Literal["off", "tis"] = "off"
     tis_cap: float = 2.0
     mini_batches: int = 1
+    kl_form: Literal["flow_grpo", "promptrl"] = "flow_grpo"
 
     def __post_init__(self) -> None:
+        if self.kl_form not in ("flow_grpo", "promptrl"):
+            raise ValueError(f"kl_form must be 'flow_grpo' or 'promptrl', got {self.kl_form!r}")
         if self.mini_batches < 1:
             raise ValueError(f"mini_batches must be >= 1, got {self.mini_batches}")
         if self.rollout_correction not in ("off", "tis"):
