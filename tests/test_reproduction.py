@@ -35,6 +35,11 @@ OTHER_KERNELS = {
         "refiner": "4e5a19113d47fabe22643ed61074757338b126d654c532250be29a0977adc4d6",
         "dit_after_step_100": "72853480558a6edf91614f4550713455c8df182e0d015904ec79dcc0c799a0a3",
     },
+    # Recorded 2026-12-06 on torch 2.13.0+cpu with the landed main (24f4adf) and with this tree: the same hashes.
+    "AVX512": {
+        "refiner": "851e2d3ee11825acfea6f72f68335c0c263bf20f15b6abbe3146ac6a531d036b",
+        "dit_after_step_100": "e36e026795c524159ed92588f2d851b6565d6e97cda2b8d4593c272ea8cdaec1",
+    },
 }
 
 
