@@ -285,7 +285,7 @@ CLOSE = "Connection: close\r\n"
 @pytest.mark.parametrize(
     ("metadata", "expected"),
     [
-        ({"tag": "counting"}, "'metadata' must be a list of one object (or null) per sample, got dict"),
+        ({"tag": "counting"}, "'metadata' must be a list of one JSON object (or null) per sample, got dict"),
         ([{"tag": "counting"}], "'metadata' has 1 items for 2 samples"),
         ([{"tag": "counting"}, "bench"], "metadata[1] must be a JSON object or null, got str"),
         ([None, 3], "metadata[1] must be a JSON object or null, got int"),

@@ -38,17 +38,22 @@ def accepts_metadata(fn: Any) -> bool:
     return accepts_keyword(fn, "metadata")
 
 
-def check_metadata(items: Any, n: int) -> list[Metadata]:
-    """``items`` as the metadata of ``n`` samples: a list of ``n`` dicts or Nones, else a ValueError saying
-    what is wrong (the reward server answers it with 400)."""
+def check_per_sample(items: Any, n: int, key: str, kind: type, what: str) -> list[Any]:
+    """``items`` as the ``key`` of ``n`` samples: a list of ``n`` items, each a ``kind`` (``what``, as a message
+    names it) or None, else a ValueError saying what is wrong (the reward server answers it with 400)."""
     if not isinstance(items, list):
-        raise ValueError(f"'metadata' must be a list of one object (or null) per sample, got {type(items).__name__}")
+        raise ValueError(f"'{key}' must be a list of one {what} (or null) per sample, got {type(items).__name__}")
     if len(items) != n:
-        raise ValueError(f"'metadata' has {len(items)} items for {n} samples")
+        raise ValueError(f"'{key}' has {len(items)} items for {n} samples")
     for i, item in enumerate(items):
-        if item is not None and not isinstance(item, dict):
-            raise ValueError(f"metadata[{i}] must be a JSON object or null, got {type(item).__name__}")
+        if item is not None and not isinstance(item, kind):
+            raise ValueError(f"{key}[{i}] must be a {what} or null, got {type(item).__name__}")
     return items
+
+
+def check_metadata(items: Any, n: int) -> list[Metadata]:
+    """``items`` as the metadata of ``n`` samples: a list of ``n`` dicts or Nones, else a ValueError."""
+    return check_per_sample(items, n, "metadata", dict, "JSON object")
 
 
 class WithMetadata:

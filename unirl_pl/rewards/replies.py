@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unirl_pl.rewards.metadata import accepts_keyword
+from unirl_pl.rewards.metadata import accepts_keyword, check_per_sample
 
 # One sample's reply: the refiner's decoded text, or None for a sample that was not refined.
 Reply = str | None
@@ -27,11 +27,4 @@ def accepts_replies(fn: Any) -> bool:
 
 def check_replies(items: Any, n: int) -> list[Reply]:
     """``items`` as the replies of ``n`` samples: a list of ``n`` strings or Nones, else a ValueError."""
-    if not isinstance(items, list):
-        raise ValueError(f"'replies' must be a list of one string (or null) per sample, got {type(items).__name__}")
-    if len(items) != n:
-        raise ValueError(f"'replies' has {len(items)} items for {n} samples")
-    for i, item in enumerate(items):
-        if item is not None and not isinstance(item, str):
-            raise ValueError(f"replies[{i}] must be a string or null, got {type(item).__name__}")
-    return items
+    return check_per_sample(items, n, "replies", str, "string")
