@@ -22,7 +22,7 @@ from unirl_pl.rewards.vlm_judge import VLMJudge, parse_choice, parse_score, pars
 
 FAST = {"timeout_s": 2.0, "max_retries": 1, "backoff_s": 0.01}
 
-# reply(request) -> (status, body): status 0 stalls until the test ends (the client times out first).
+# reply(request) -> (status, body): status 0 never answers before the test ends (the client times out first).
 Reply = Callable[[dict], tuple[int, bytes]]
 
 
@@ -71,7 +71,7 @@ def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
                 try:
                     status, body = reply(request)
                     if status == 0:
-                        release.wait(timeout=10)
+                        release.wait(timeout=120)  # never answers within a test: released at teardown
                         return
                 finally:
                     # Leaves the count before the reply is sent: once the client has the reply it may send its
@@ -184,6 +184,44 @@ def test_parse_choice(reply, expected):
     assert parse_choice(reply) == expected
 
 
+# Issue 41 item 9: each negation once read as its opposite (or a choice); a negated or undecided reply is
+# unreadable (None), which the judge counts as such (NaN for the sample, max_unreadable for the call).
+@pytest.mark.parametrize(
+    "parse, reply",
+    [
+        (parse_choice, "Image 1 is not better."),
+        (parse_choice, "Image 1 is no better than image 2"),
+        (parse_choice, "The first image is not preferred."),
+        (parse_choice, "I would not choose image 1"),
+        (parse_choice, "I can't pick 1 or 2"),
+        (parse_choice, "Neither image 1 nor image 2 is better"),
+        (parse_choice, "Image 2 isn’t better"),
+        (parse_choice, "<answer>Image 1 is not better</answer>"),
+        (parse_yes_no, "I can't say yes"),
+        (parse_yes_no, "I cannot say no."),
+    ],
+)
+def test_a_negated_or_undecided_verdict_is_unreadable(parse, reply):
+    assert parse(reply) is None
+
+
+@pytest.mark.parametrize(
+    "parse, reply, expected",
+    [
+        (parse_choice, "Image 1 is better", 0),
+        (parse_choice, "1", 0),
+        (parse_choice, "<answer>2</answer>", 1),
+        (parse_choice, "Image 2 is better, image 1 is not.", 1),
+        (parse_choice, "Image 1 does not show a cat, so image 2 is better", 1),
+        (parse_yes_no, "Yes", 1.0),
+        (parse_yes_no, "yes, it does", 1.0),
+        (parse_yes_no, "The image does not show a dog. No.", 0.0),
+    ],
+)
+def test_plain_verdicts_beside_a_negation_still_parse(parse, reply, expected):
+    assert parse(reply) == expected
+
+
 # ------------------------------------------------------------------ the templates against the fake server
 def test_score_template_sends_the_chat_format_and_parses_each_reply(judge_server):
     replies = {"a red cat": "Score: 7", "a blue dog": "8/10", "a green square": "3"}
@@ -263,6 +301,21 @@ def test_a_garbled_reply_is_nan_for_that_sample_only(judge_server):
         scores = judge(prompts, prompts, _images(4))
     assert scores[0] == 6.0 and all(math.isnan(s) for s in scores[1:])
     assert judge.failed == 3
+
+
+def test_a_pair_whose_only_verdict_is_unreadable_gives_both_images_nan(judge_server):
+    """The one comparison of a two-image group came back unreadable: neither image won or lost (counting it as
+    a win for either, e.g. "the second image wins", would be a reward from nothing); both are NaN and the
+    reward's error policy decides."""
+    url, stats = judge_server(lambda r: chat("I can't pick 1 or 2"))
+    args = {"url": url, "model": "m", "template": "pairwise", "max_unreadable": 1.0, **FAST}
+    judge = VLMJudge(**args)
+    with pytest.warns(UserWarning, match="2 of 2 samples got no score"):
+        scores = judge(["p", "p"], ["p", "p"], _images(2))
+    assert len(stats["requests"]) == 1 and all(math.isnan(s) for s in scores), scores
+    assert judge.failed == 2
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="reward 'vlm_judge' returned nan for sample 0"):
+        WeightedSum({"vlm_judge": 1.0}, {"vlm_judge": args})(["p", "p"], ["p", "p"], _images(2))
 
 
 def test_a_judge_answering_nonsense_stops_the_call_naming_itself_and_quoting_a_reply(judge_server):
@@ -416,18 +469,21 @@ def test_bad_settings_are_refused():
 # ------------------------------------------------------------------ acceptance: a fit with a stalling judge
 @pytest.mark.integration
 def test_a_fit_with_a_stalling_judge_drops_the_stalled_samples_and_trains_on_the_rest(tmp_path, judge_server):
+    """Margins that hold on a loaded machine: a stalled request never answers (the server holds it until the
+    test ends), and the 5 s deadline is some 1000x a healthy loopback reply. Both stalls fall in the first
+    step, whose two chunks of 8 are scored concurrently, so the fit waits for the deadline once."""
     seen, stalled, lock = [0], [0], threading.Lock()
 
     def reply(request: dict) -> tuple[int, bytes]:
         (pixels,) = _pixels(request)
         with lock:
             seen[0] += 1
-            stall = seen[0] % 10 == 3  # requests 3, 13, 23 of the run's 32 stall past the timeout
+            stall = seen[0] in (3, 13)  # two of the first step's 16 requests; the second step's 16 all answer
             stalled[0] += stall
         return (0, b"") if stall else chat(f"Score: {1 + round(9 * float(pixels.mean()))}")
 
     url, stats = judge_server(reply)
-    judge = {"url": url, "model": "judge", "timeout_s": 0.5, "max_retries": 0, "max_concurrency": 8}
+    judge = {"url": url, "model": "judge", "timeout_s": 5.0, "max_retries": 0, "max_concurrency": 8}
     with pytest.warns(UserWarning, match="samples got no score"):
         cli = run_cli(
             tmp_path,
@@ -441,7 +497,7 @@ def test_a_fit_with_a_stalling_judge_drops_the_stalled_samples_and_trains_on_the
         )
     rows = read_metrics(cli)
     dropped = series(rows, "reward/dropped")
-    assert len(dropped) == 2 and sum(dropped) == stalled[0] > 0, (dropped, stalled)
+    assert dropped == [2.0, 0.0] and stalled[0] == 2, (dropped, stalled)
     assert all(math.isfinite(v) for v in series(rows, "reward/vlm_judge")), "the others were scored"
     assert cli.model.ledger["transformer"] == 2 and cli.model.ledger["llm"] == 2, "both steps trained"
     assert len(stats["requests"]) == 2 * 16, "one request per image of the tiny recipe's 4 x 4 samples"

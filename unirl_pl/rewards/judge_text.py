@@ -79,17 +79,33 @@ def parse_score(text: str, low: float, high: float) -> float | None:
     return _on_scale(str(bare.pop()), None, low, high) if len(bare) == 1 else None
 
 
+# A word that turns the verdict after it around or leaves it open: "not", "can't", "neither", "nor" ...
+_NEGATION = re.compile(
+    r"(?:not|never|neither|nor|cannot|cant|dont|doesnt|wont|wouldnt|couldnt|shouldnt|isnt|unable|unsure)$|n't$"
+)
+
+
+def _negated(before: str) -> bool:
+    """Whether the last three words of the clause ending ``before`` hold a negation ("I can't say |yes",
+    "I would not choose |image 1", "neither image 1 nor image |2 is better")."""
+    clause = re.split(r"[.;:!?,\n]", before)[-1]
+    return any(_NEGATION.search(word) for word in re.findall(r"[a-z']+", clause)[-3:])
+
+
 def parse_yes_no(text: str) -> float | None:
-    """1.0 for a yes, 0.0 for a no, None when the reply says both, neither, or something else first."""
-    words = re.findall(r"[a-z]+", text.lower())
-    for word in words:
-        if word in ("yes", "no"):
-            other = "no" if word == "yes" else "yes"
-            # "Yes. ... no" is still a yes (the answer comes first); "yes or no?" echoed back is not an answer.
-            if f"{word} or {other}" in " ".join(words):
-                return None
-            return 1.0 if word == "yes" else 0.0
-    return None
+    """1.0 for a yes, 0.0 for a no, None when the reply says both, neither, or something else first, or
+    negates its answer ("I can't say yes", "not yes"): a negated or undecided reply is no verdict."""
+    body = text.lower().replace("\u2019", "'")
+    words = re.findall(r"[a-z]+", body)
+    first = re.search(r"(?<![a-z])(yes|no)(?![a-z])", body)
+    if first is None:
+        return None
+    word = first.group(1)
+    other = "no" if word == "yes" else "yes"
+    # "Yes. ... no" is still a yes (the answer comes first); "yes or no?" echoed back is not an answer.
+    if f"{word} or {other}" in " ".join(words) or _negated(body[: first.start()]):
+        return None
+    return 1.0 if word == "yes" else 0.0
 
 
 _GOOD = ("better", "preferred", "superior", "best")
@@ -106,9 +122,11 @@ def parse_choice(text: str) -> int | None:
     Read from the reply's verdict (:func:`answer_part`): a JSON object's ``winner`` / ``choice`` / ``better``
     / ``answer``; stated verdicts (``Image 2 is better``, ``image 1 is worse``, ``I prefer the second``,
     ``Answer: 1``), which must all agree; a reply that is only the choice (``2``, ``Image 1``, ``The first
-    one.``); a leading choice with its reason after it (``1, because ...``).
+    one.``); a leading choice with its reason after it (``1, because ...``). A negated or undecided verdict
+    (``Image 1 is not better``, ``I would not choose image 1``, ``Neither image 1 nor image 2 is better``,
+    ``I can't pick 1 or 2``) makes the whole reply None: it is no verdict, not its opposite.
     """
-    body = answer_part(text).lower().replace("*", "").strip()
+    body = answer_part(text).lower().replace("*", "").replace("\u2019", "'").strip()
     try:
         reply = json.loads(body)
     except ValueError:
@@ -118,16 +136,24 @@ def parse_choice(text: str) -> int | None:
         return parse_choice(str(value)) if isinstance(value, int | str) and not isinstance(value, bool) else None
     verdicts = set()
     stated = (
-        rf"\b{_PICK}(?:\s+(?:image|one|picture))?\s+(?:is|looks|seems)\s+(?:\w+\s+)?"
+        rf"\b{_PICK}(?:\s+(?:image|one|picture))?\s+(?:is|looks|seems)(n't)?\s+(?:(\w+)\s+)?"
         r"(better|preferred|superior|best|worse|inferior|worst)"
     )
-    for pick, verdict in re.findall(stated, body):
+    for match in re.finditer(stated, body):
+        pick, nt, adverb, verdict = match.groups()
+        # "Image 1 is not better", "is no better than", "isn't preferred", "neither 1 nor 2 is better":
+        # a negated verdict is not its opposite (nor, for "no better", a tie); the reply is unreadable.
+        if nt or adverb in ("not", "no", "never", "hardly") or _negated(body[: match.start()]):
+            return None
         verdicts.add(_index(pick) if verdict in _GOOD else 1 - _index(pick))
     chosen = (
         r"(?:prefer|choose|choice|pick|select|winner|answer)\s*(?:is|:|would be)?\s*(?:the\s+)?(?:image\s*#?\s*)?"
         rf"\b{_PICK}\b"
     )
-    verdicts.update(_index(pick) for pick in re.findall(chosen, body))
+    for match in re.finditer(chosen, body):
+        if _negated(body[: match.start()]):  # "I would not choose image 1", "I can't pick 1 or 2"
+            return None
+        verdicts.add(_index(match.group(1)))
     if verdicts:
         return verdicts.pop() if len(verdicts) == 1 else None
     only = re.fullmatch(rf"[\W_]*(?:the\s+)?(?:image\s*#?\s*)?{_PICK}(?:\s+(?:one|image))?[\W_]*", body)
