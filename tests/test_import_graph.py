@@ -130,3 +130,22 @@ def test_the_search_reports_a_cycle_through_late_imports_and_packages(tmp_path):
     pkg.mkdir()
     (pkg / "m.py").write_text("def f():\n    from q.sub.mod import thing\n")
     assert {"q.sub.mod", "q.sub.mod.thing"} <= imported_names(pkg / "m.py", "p.m")
+
+
+def test_the_method_does_not_import_the_callbacks():
+    # The layers point one way: the callbacks (gates) read the method, never the reverse. The hook the update
+    # calls (`on_policy_logprobs`) lives in `unirl_pl.method.hooks`, below both. Late imports count too; only
+    # `if TYPE_CHECKING:` imports (which never run) are allowed.
+    method = PACKAGE / "method"
+    back_arrows = sorted(
+        f"{module_name(path)} imports {imported}"
+        for path in method.rglob("*.py")
+        for imported in imported_names(path, module_name(path))
+        if imported == "unirl_pl.callbacks" or imported.startswith("unirl_pl.callbacks.")
+    )
+    assert back_arrows == [], "the method must not know the callbacks: " + "; ".join(back_arrows)
+    # The graph agrees (packages run first: importing `unirl_pl.callbacks.x` is an edge to `unirl_pl.callbacks`).
+    graph = import_graph()
+    for name, targets in graph.items():
+        if name == "unirl_pl.method" or name.startswith("unirl_pl.method."):
+            assert not {t for t in targets if t.split(".")[:2] == ["unirl_pl", "callbacks"]}, name

@@ -52,6 +52,23 @@ def test_both_forms_build_the_same_terms_and_the_same_reward():
     assert list(renamed.terms) == ["red_channel"]
 
 
+def test_a_term_given_without_a_weight_weighs_one_and_the_total_is_its_values():
+    # Every recipe and test names a weight, so a wrong default would go unseen without this.
+    assert RewardTerm(Brightness()).weight == 1.0
+    images = torch.rand(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    prompts, refined = ["a"] * 4, ["a"] * 4
+    reward = WeightedSum([RewardTerm(Brightness())])
+    assert reward.weights == {"brightness": 1.0}
+    total, parts = reward(prompts, refined, images)
+    alone = torch.as_tensor(Brightness()(prompts, refined, images), dtype=total.dtype)
+    assert torch.equal(total, alone) and torch.equal(parts["brightness"], alone)
+    assert total.abs().sum() > 0, "a zero weight would give a zero total"
+    # The same default when a recipe gives the term without a weight.
+    term = "{reward: {class_path: unirl_pl.rewards.Brightness}}"
+    (parsed,) = parse_config([*JOINT, f"--model.rewards=[{term}]"]).model.init_args.rewards
+    assert parsed.weight == 1.0
+
+
 def test_component_terms_refuse_what_would_merge_or_be_ignored():
     with pytest.raises(ValueError, match="two reward terms are named 'brightness'"):
         WeightedSum([RewardTerm(Brightness()), RewardTerm(Brightness(channel=1))])

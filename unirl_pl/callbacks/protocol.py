@@ -11,6 +11,10 @@ from typing import TYPE_CHECKING, Protocol
 import lightning.pytorch as pl
 from torch import Tensor, nn
 
+# The hook the module calls lives below both packages (the method must not import the callbacks);
+# re-exported here, where gates and users have imported it from.
+from unirl_pl.method.hooks import POLICY_LOGPROBS_HOOK, notify_policy_logprobs
+
 if TYPE_CHECKING:  # names for the type checker only: a gate reads the module through these attributes
     from unirl_pl.loops import ARDecode, DiffusionDenoise
     from unirl_pl.method.loss_settings import ExpertLoss
@@ -18,6 +22,16 @@ if TYPE_CHECKING:  # names for the type checker only: a gate reads the module th
     from unirl_pl.versioning import VersionLedger
 
 LogProbs = dict[str, tuple[Tensor, Tensor, Tensor]]  # by expert: (recomputed, behavior, mask)
+
+__all__ = [
+    "POLICY_LOGPROBS_HOOK",
+    "LogProbs",
+    "RecomputingModule",
+    "SamplingModule",
+    "VersionedModule",
+    "notify_policy_logprobs",
+    "require",
+]
 
 
 class RecomputingModule(Protocol):
@@ -56,17 +70,3 @@ def require(gate: pl.Callback, pl_module: pl.LightningModule, protocol: type) ->
             f"{type(gate).__name__} needs a module that offers {', '.join(missing)} ({protocol.__name__}); "
             f"{type(pl_module).__name__} does not"
         )
-
-
-def notify_policy_logprobs(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, exp: Experience, logprobs: LogProbs
-) -> None:
-    """Call ``on_policy_logprobs(trainer, pl_module, exp, logprobs)`` on every callback that has it.
-
-    The module calls this after its first training forward and before any optimizer step, with
-    ``{component: (recomputed, behavior, mask)}`` log-probs (the C2 gate's input).
-    """
-    for callback in trainer.callbacks:
-        hook = getattr(callback, "on_policy_logprobs", None)
-        if hook is not None:
-            hook(trainer, pl_module, exp, logprobs)

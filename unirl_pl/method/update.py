@@ -24,9 +24,9 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from unirl_pl import timing
-from unirl_pl.callbacks.protocol import notify_policy_logprobs
 from unirl_pl.distributed import agree_max
 from unirl_pl.losses import LossOutput
+from unirl_pl.method.hooks import notify_policy_logprobs, reads_policy_logprobs
 from unirl_pl.method.minibatch import minibatch_rows
 from unirl_pl.method.policy import Rows
 from unirl_pl.metrics import nonfinite_report
@@ -121,8 +121,7 @@ class PolicyUpdate:
 
     def gated(self) -> bool:
         """Whether a callback reads the policy log-probs (the C2 gate)."""
-        trainer = self.module._trainer
-        return trainer is not None and any(hasattr(c, "on_policy_logprobs") for c in trainer.callbacks)
+        return reads_policy_logprobs(self.module._trainer)
 
     def report_before_updates(self, exp: Experience, opts: dict[str, Any]) -> bool:
         """With mini-batches the first update sees only its own rows: the gates and the rollout correction's
