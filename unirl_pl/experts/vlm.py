@@ -10,17 +10,14 @@ and its chat template are loaded alone and the image processor, when asked for, 
 
 from __future__ import annotations
 
-import inspect
 import json
 from typing import Any, ClassVar
 
 import torch
-from transformers import AutoImageProcessor, AutoModelForImageTextToText, PreTrainedTokenizerBase
+from transformers import AutoImageProcessor, AutoModelForImageTextToText, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import cached_file
 
-from unirl_pl.experts._common import seeded_cpu_init
-from unirl_pl.experts.base import LoRAExpert
 from unirl_pl.experts.chat import ChatFormat
 from unirl_pl.experts.finetune import Finetune
 from unirl_pl.experts.llm import CausalLMExpert
@@ -115,35 +112,30 @@ class VLMRefinerExpert(CausalLMExpert):
         finetune: Finetune = "lora",
         load_image_processor: bool = False,
     ) -> None:
-        LoRAExpert.__init__(self, pretrained_path, dtype, init_seed)
-        self._init_refiner(lora_rank, lora_alpha, lora_target_modules, chat, finetune)
+        super().__init__(pretrained_path, lora_rank, lora_alpha, lora_target_modules, dtype, init_seed, chat, finetune)
         if not isinstance(load_image_processor, bool):
             raise ValueError(f"load_image_processor must be true or false, got {load_image_processor!r}")
         self.load_image_processor = load_image_processor
         self.image_processor: Any = None
 
     def build(self) -> None:
-        """Load the tokenizer and model and make the model trainable as ``finetune`` says; a second call is a
-        no-op. Under LoRA, peft's zero ``B`` makes the policy equal the reference at build time; under full
-        fine-tuning the reference is a copy taken after the trained weights are cast to float32."""
+        """The causal-LM refiner's ``build()`` (tokenizer, model made trainable as ``finetune`` says), then the
+        image processor when asked for, and the vision tower put in eval mode; a second call is a no-op."""
         if self.is_built:
             return
-        tokenizer = self._build_tokenizer()
-        with seeded_cpu_init(self.init_seed):
-            base = self._base_model(tokenizer)
-            if vision_tower(base) is None:
-                raise ValueError(
-                    f"{type(self).__name__}: {type(base).__name__} from {self.pretrained_path!r} has no vision "
-                    "tower at any of " + ", ".join(_VISION_TOWER_PATHS) + "; use CausalLMExpert for a text-only LM"
-                )
-            model = self._adapt(base)
-        params = inspect.signature(base.forward).parameters
-        self._cache_arg_name = "cache" if "cache" in params else "past_key_values"
-        self.tokenizer = tokenizer
-        self.model = model
+        super().build()
         if self.load_image_processor:
             self.image_processor = AutoImageProcessor.from_pretrained(self.pretrained_path)
         self.train(self.training)  # the vision tower into eval mode
+
+    def _base_model(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:
+        base = super()._base_model(tokenizer)
+        if vision_tower(base) is None:
+            raise ValueError(
+                f"{type(self).__name__}: {type(base).__name__} from {self.pretrained_path!r} has no vision "
+                "tower at any of " + ", ".join(_VISION_TOWER_PATHS) + "; use CausalLMExpert for a text-only LM"
+            )
+        return base
 
     def _build_tokenizer(self) -> PreTrainedTokenizerBase:
         tokenizer = super()._build_tokenizer()
