@@ -12,8 +12,8 @@ from torch import Tensor
 
 from unirl_pl.rewards.base import RewardTerm
 from unirl_pl.rewards.builtin import resolve_reward
-from unirl_pl.rewards.metadata import Metadata, accepts_metadata
-from unirl_pl.rewards.replies import Reply, accepts_replies
+from unirl_pl.rewards.metadata import Metadata, accepts_keyword
+from unirl_pl.rewards.replies import Reply
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -108,26 +108,25 @@ class WeightedSum:
             self.terms = {name: resolve_reward(name, reward_args.get(name)) for name in weights}
         else:
             self.terms = {term.term_name(): _checked(term) for term in weights}
-        # name -> (the term's callable, whether it declares ``metadata``): its signature is read once, and read
-        # again only if the term is replaced after construction.
-        self._wants: dict[str, tuple[RewardFn, bool]] = {}
-        self._wants_replies: dict[str, tuple[RewardFn, bool]] = {}
+        # (name, keyword) -> (the term's callable, whether it declares the keyword): its signature is read once,
+        # and read again only if the term is replaced after construction.
+        self._declared: dict[tuple[str, str], tuple[RewardFn, bool]] = {}
+
+    def declares(self, name: str, keyword: str) -> bool:
+        """Whether term ``name`` declares the keyword parameter ``keyword`` (``metadata``, ``replies``)."""
+        fn = self.terms[name]
+        known = self._declared.get((name, keyword))
+        if known is None or known[0] is not fn:
+            known = self._declared[(name, keyword)] = (fn, accepts_keyword(fn, keyword))
+        return known[1]
 
     def wants_metadata(self, name: str) -> bool:
         """Whether term ``name`` declares a ``metadata`` parameter (and so is given each sample's)."""
-        fn = self.terms[name]
-        known = self._wants.get(name)
-        if known is None or known[0] is not fn:
-            known = self._wants[name] = (fn, accepts_metadata(fn))
-        return known[1]
+        return self.declares(name, "metadata")
 
     def wants_replies(self, name: str) -> bool:
         """Whether term ``name`` declares a ``replies`` parameter (and so is given each sample's raw reply)."""
-        fn = self.terms[name]
-        known = self._wants_replies.get(name)
-        if known is None or known[0] is not fn:
-            known = self._wants_replies[name] = (fn, accepts_replies(fn))
-        return known[1]
+        return self.declares(name, "replies")
 
     def score_term(
         self,
