@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unirl_pl.errors import ConfigError
 from unirl_pl.losses import LossOutput, flow_grpo_loss, grpo_guard_loss, token_policy_loss
 from unirl_pl.method import ExpertLoss
-from unirl_pl.method.minibatch import minibatch_of, minibatch_rows
+from unirl_pl.method.minibatch import keep_for_steps, minibatch_of, minibatch_rows
+from unirl_pl.method.update import check_mini_batches
 from unirl_pl.metrics import update_metrics
 from unirl_pl.records import DiTRecord, FlowPointsRecord, rechunk
 
@@ -54,6 +56,62 @@ def test_the_split_is_seeded_and_changes_with_the_epoch_and_the_seed():
     assert not torch.equal(a, minibatch_of(ids, 2, seed=0, epoch=1)), "another PPO epoch meets other groups"
     assert not torch.equal(a, minibatch_of(ids, 2, seed=1, epoch=0))
     assert not torch.equal(a, ids % 2), "shuffled, not dealt in order"
+
+
+def test_the_sample_split_spreads_a_group_over_the_updates_in_parts_of_equal_size():
+    rows = torch.arange(16, 24).repeat_interleave(4)  # 8 groups of 4 samples (the main recipe's step 2)
+    assigned = minibatch_of(rows, 4, seed=5, epoch=0, split="sample")
+    spread = [assigned[rows == g].unique().numel() for g in range(16, 24)]
+    assert max(spread) > 1, "a group's samples go to several updates (Flow-GRPO's permutation)"
+    assert torch.bincount(assigned, minlength=4).tolist() == [8] * 4
+    parts = minibatch_rows(rows, 4, seed=5, epoch=0, split="sample")
+    assert torch.equal(torch.cat(parts).sort().values, torch.arange(len(rows)))
+    assert not torch.equal(assigned, minibatch_of(rows, 4, seed=5, epoch=1, split="sample")), "reshuffled per epoch"
+    assert not torch.equal(assigned, minibatch_of(rows, 4, seed=6, epoch=0, split="sample"))
+    assert not torch.equal(assigned, minibatch_of(rows, 4, seed=5, epoch=0)), "not the group split"
+    uneven = minibatch_of(torch.arange(3).repeat_interleave(3), 4, seed=0, epoch=0, split="sample")
+    assert sorted(torch.bincount(uneven, minlength=4).tolist()) == [2, 2, 2, 3], "parts differ by one row at most"
+    with pytest.raises(ValueError, match="mini_batch_split"):
+        minibatch_of(rows, 2, seed=0, epoch=0, split="token")
+
+
+def test_the_sample_split_is_the_same_on_any_number_of_ranks():
+    ids = torch.arange(40, 48).repeat_interleave(3)  # 8 prompts of 3 samples; 2 ranks hold 4 prompts each
+    single = minibatch_of(ids, 2, seed=3, epoch=1, split="sample")
+    halves = torch.cat(
+        [
+            minibatch_of(ids[:12], 2, seed=3, epoch=1, split="sample"),
+            minibatch_of(ids[12:], 2, seed=3, epoch=1, split="sample"),
+        ]
+    )
+    assert torch.equal(single, halves)
+
+
+def test_zero_advantage_rows_are_dropped_and_readmitted_to_a_multiple_of_the_mini_batches():
+    keep = torch.tensor([True] * 5 + [False] * 11)
+    kept = keep_for_steps(keep, 2, seed=0)
+    assert int(kept.sum()) == 6 and bool(kept[:5].all()), "every non-zero row stays; one zero row comes back"
+    assert int(keep_for_steps(keep, 1, seed=0).sum()) == 5, "one update: nothing comes back"
+    assert int(keep_for_steps(torch.zeros(16, dtype=torch.bool), 4, seed=0).sum()) == 4, "no signal: m rows step"
+    assert int(keep_for_steps(torch.zeros(3, dtype=torch.bool), 4, seed=0).sum()) == 3
+    parts = minibatch_rows(torch.arange(4).repeat_interleave(4), 2, seed=0, epoch=0, split="sample", keep=keep)
+    assert sum(len(p) for p in parts) == 6 and [len(p) for p in parts] == [3, 3]
+    assert set(range(5)) <= set(torch.cat(parts).tolist())
+
+
+def test_drop_with_a_group_split_and_too_many_mini_batches_are_refused():
+    with pytest.raises(ValueError, match="mini_batch_split: sample"):
+        ExpertLoss(mini_batches=2, drop_zero_advantage=True)
+    ExpertLoss(mini_batches=1, drop_zero_advantage=True)  # one update: the split does not matter
+    with pytest.raises(ValueError, match="mini_batch_split"):
+        ExpertLoss(mini_batch_split="token")
+    check_mini_batches("llm", ExpertLoss(mini_batches=8), groups=8, samples=24)
+    with pytest.raises(ConfigError, match=r"model.llm_loss.mini_batches=9 is more than the 8 prompt groups"):
+        check_mini_batches("llm", ExpertLoss(mini_batches=9), groups=8, samples=24)
+    settings = ExpertLoss(mini_batches=33, mini_batch_split="sample")
+    with pytest.raises(ConfigError, match=r"transformer_loss.mini_batches=33 is more than the 32 samples"):
+        check_mini_batches("transformer", settings, groups=8, samples=32)
+    check_mini_batches("transformer", ExpertLoss(mini_batches=16, mini_batch_split="sample"), groups=8, samples=32)
 
 
 # ------------------------------------------------------------------------------------------ the records

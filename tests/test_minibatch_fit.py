@@ -221,3 +221,58 @@ def test_with_the_rollout_correction_two_mini_batches_anchor_at_the_recompute_be
     assert max(series(rows, "transformer/ratio_max")) > 1.0 + 1e-6, (
         "the second mini-batch's ratio is against the anchor"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_group_of_equal_rewards_carries_no_gradient_and_no_kl_with_the_zero_advantage_drop(
+    tmp_path, monkeypatch, drop
+):
+    # Flow-GRPO's mask: a group whose rewards are all equal has advantage 0; with the drop its samples are in
+    # no mini-batch (no policy gradient, no KL term), without it they enter the loss for their KL alone.
+    seen: list[tuple[int, int, float]] = []  # (rows in the loss, zero-advantage rows in it, the loss's KL)
+    run = PolicyUpdate.run
+
+    def equal_group(self, exp, opts):
+        adv, requests = exp.advantages["diffusion_denoise"], exp.row_requests["diffusion_denoise"]
+        adv[requests == requests.min()] = 0.0  # the first prompt's group: every reward equal
+        return run(self, exp, opts)
+
+    loss = PolicyLosses.loss
+
+    def recording(self, name, exp, backward, rows=None):
+        out = loss(self, name, exp, backward, rows)
+        if name == "transformer":
+            adv = exp.advantages["diffusion_denoise"]
+            index = torch.arange(len(adv)) if rows is None else rows["diffusion_denoise"]
+            seen.append((len(index), int((adv[index] == 0).sum()), float(out.kl)))
+        return out
+
+    monkeypatch.setattr(PolicyUpdate, "run", equal_group)
+    monkeypatch.setattr(PolicyLosses, "loss", recording)
+    cli = main(
+        [
+            "--config", TINY,
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.callbacks=[unirl_pl.callbacks.LogProbIdentityCheck]",
+            "--trainer.limit_val_batches=0",
+            "--trainer.max_steps=2",
+            "--model.rollout.num_steps=4",
+            "--model.generator_algorithm.init_args.sde_window=[0,2]",
+            f"--model.transformer_loss.drop_zero_advantage={str(drop).lower()}",
+        ],
+        run=False,
+    )  # fmt: skip
+    cli.trainer.fit(cli.model, cli.datamodule)
+    assert len(seen) == 2
+    rows = read_metrics(cli)
+    if drop:
+        assert all(zero == 0 and n <= 12 for n, zero, _ in seen), "the equal group's 4 samples are in no loss"
+        assert all(0 < f <= 0.75 for f in series(rows, "transformer/trained_frac"))
+    else:
+        assert all(n == 16 and zero >= 4 for n, zero, _ in seen), "every sample enters the loss"
+        assert "transformer/trained_frac" not in rows[0]
+    assert seen[1][2] > 0, "the second step's KL is over the rows in the loss (the policy moved off the reference)"
+    assert series(rows, "c2/transformer_max_abs_diff") == [0.0, 0.0], "the gate saw the whole rollout"

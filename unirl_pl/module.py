@@ -35,7 +35,7 @@ from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.method.policy import PolicyLosses, Rows
-from unirl_pl.method.update import PolicyUpdate
+from unirl_pl.method.update import PolicyUpdate, check_mini_batches
 from unirl_pl.metrics import RewardStatistics, log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import RewardTerm, WeightedSum, registered_rewards
@@ -248,6 +248,7 @@ class UniRLModule(pl.LightningModule):
         self.policy = PolicyLosses(self.card, loops, experts, self.loss_settings, algorithms)
 
     def on_fit_start(self) -> None:
+        self._check_mini_batches()
         # trainer.log_dir is a collective (a broadcast): read it on every rank, write on rank 0 only.
         assert self.diffusion_denoise is not None, "configure_model() builds the loops"
         run_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
@@ -256,6 +257,21 @@ class UniRLModule(pl.LightningModule):
         message = f"Sampling schedule: {described['source']}; sigmas [{sigmas}]; SDE steps {described['sde_steps']}"
         # A recipe's shift that replaces the pipeline's own schedule is worth a warning, not a footnote.
         (rank_zero_warn if "overriding" in described["source"] else rank_zero_info)(message)
+
+    def _check_mini_batches(self) -> None:
+        """Each trained expert's ``mini_batches`` against the prompt groups and samples one rank holds per step."""
+        data = getattr(self.trainer, "datamodule", None)
+        layout, prompts = getattr(data, "layout", None), getattr(data, "prompts_per_step", None)
+        if layout is None or prompts is None:
+            return
+        groups = prompts // self.trainer.world_size
+        rows = {
+            Loop.DECODE: groups * (layout.samples_per_prompt - layout.num_skip_refinement),
+            Loop.DENOISE: groups * layout.samples_per_prompt * layout.images_per_refinement,
+        }
+        for name in self.trained:
+            samples = min(rows[loop] for loop in self.card.loops_of(name))
+            check_mini_batches(name, self.losses[name], groups, samples)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         opts = []
@@ -315,10 +331,11 @@ class UniRLModule(pl.LightningModule):
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         assert self.policy is not None
-        updates, stepped = PolicyUpdate(self).run(exp, opts)
+        update = PolicyUpdate(self)
+        updates, stepped = update.run(exp, opts)
         for name in stepped:
             self.policy.end_step(name, step)
-        metrics: dict[str, Tensor | float] = {}
+        metrics: dict[str, Tensor | float] = dict(update.metrics)
         for name, done in updates.items():
             if done and name in stepped:
                 metrics.update(update_metrics(name, done))

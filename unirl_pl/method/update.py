@@ -16,7 +16,7 @@ backward, gradient clipping and optimizer steps go through Lightning (the module
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,14 +25,31 @@ from torch.distributed.tensor import DTensor
 
 from unirl_pl import timing
 from unirl_pl.distributed import agree_max
+from unirl_pl.errors import ConfigError
 from unirl_pl.losses import LossOutput
 from unirl_pl.method.hooks import notify_policy_logprobs, reads_policy_logprobs
+from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.method.minibatch import minibatch_rows
 from unirl_pl.method.policy import Rows
 from unirl_pl.metrics import nonfinite_report
 from unirl_pl.records import Experience
 
 Updates = dict[str, list[tuple[LossOutput, Tensor]]]
+
+
+def check_mini_batches(name: str, settings: ExpertLoss, groups: int, samples: int) -> None:
+    """Refuse expert ``name``'s ``mini_batches`` when one rank's step cannot fill them: more than its ``groups``
+    prompt groups (``group`` split) or its ``samples`` record rows (``sample`` split). Run when the fit starts,
+    so the setting is refused before the first rollout, not found out as fewer updates than asked for."""
+    count, split = settings.mini_batches, settings.mini_batch_split
+    limit, what = (groups, "prompt groups") if split == "group" else (samples, "samples")
+    if count > limit:
+        raise ConfigError(
+            f"model.{name}_loss.mini_batches={count} is more than the {limit} {what} one rank trains per step "
+            f"(mini_batch_split: {split}); set it to at most {limit}, or raise data.prompts_per_step"
+        )
+
+
 """Expert -> (loss output, gradient norm) of each update applied this step."""
 
 
@@ -41,6 +58,8 @@ class PolicyUpdate:
     """Runs the updates of one RL step for the module's trained experts (see the module docstring)."""
 
     module: Any
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the split adds to the step's metrics (``<expert>/trained_frac`` with the zero-advantage drop)."""
 
     def run(self, exp: Experience, opts: dict[str, Any]) -> tuple[Updates, list[str]]:
         """Every update of ``exp``; returns each expert's applied updates and the experts that stepped."""
@@ -101,15 +120,24 @@ class PolicyUpdate:
 
     def mini_batches(self, name: str, exp: Experience, epoch: int) -> list[Rows | None]:
         """Expert ``name``'s mini-batches of this PPO epoch: ``[None]`` (the whole record) for one, else per
-        mini-batch its loops' record rows (``{}`` where this rank holds no group of that mini-batch)."""
+        mini-batch its loops' record rows (``{}`` where this rank holds no row of that mini-batch)."""
         m = self.module
-        count = m.losses[name].mini_batches
+        settings = m.losses[name]
+        count = settings.mini_batches
         loops = m.policy.loops_with_records(name, exp)
-        if count == 1 or not loops:
+        if not settings.splits_rollout or not loops:
             return [None]
         parts: list[Rows] = [{} for _ in range(count)]
         for loop in loops:
-            for j, index in enumerate(minibatch_rows(exp.row_requests[loop], count, exp.seed, epoch)):
+            keep = None
+            if settings.drop_zero_advantage:
+                advantages = exp.advantages[loop]
+                keep = advantages.reshape(len(advantages), -1).abs().sum(dim=1) != 0
+            rows = minibatch_rows(exp.row_requests[loop], count, exp.seed, epoch, settings.mini_batch_split, keep)
+            if epoch == 0 and keep is not None:
+                trained = sum(len(index) for index in rows)
+                self.metrics[f"{name}/trained_frac"] = trained / max(len(keep), 1)
+            for j, index in enumerate(rows):
                 if len(index):
                     parts[j][loop] = index
         if m._trainer is not None and m.trainer.world_size > 1 and any(not part for part in parts):
@@ -127,7 +155,7 @@ class PolicyUpdate:
         """With mini-batches the first update sees only its own rows: the gates and the rollout correction's
         anchors get one no-grad recompute of every record before any update instead. Returns whether it ran."""
         m = self.module
-        if all(m.losses[name].mini_batches == 1 for name in opts):
+        if not any(m.losses[name].splits_rollout for name in opts):
             return False
         m.policy.before_updates(exp, list(opts))
         gated = self.gated()
