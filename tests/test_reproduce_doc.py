@@ -137,3 +137,30 @@ def test_claim_pattern() -> None:
     assert CLAIM.search("# differs from Flow-GRPO in KL (docs/reproduce.md)") is None
     assert COMMIT.search("config/grpo.py @54809b5") and COMMIT.search("e2e729f438668f6f")
     assert not COMMIT.search("decade 1000000 1.0e-4 deadbeefs")
+
+
+def repeated_blocks(text: str, size: int = 10) -> list[int]:
+    """1-based line numbers where a run of ``size`` non-blank lines repeats one seen earlier in ``text``."""
+    lines = [line.strip() for line in text.splitlines()]
+    seen: dict[tuple[str, ...], int] = {}
+    repeats = []
+    for i in range(len(lines) - size + 1):
+        block = tuple(lines[i : i + size])
+        if not all(block):
+            continue
+        if block in seen:
+            repeats.append(i + 1)
+        else:
+            seen[block] = i + 1
+    return repeats
+
+
+def test_no_block_of_ten_lines_appears_twice(doc: str) -> None:
+    repeats = repeated_blocks(doc)
+    assert not repeats, f"docs/reproduce.md repeats a block of 10 lines at lines {repeats[:5]} (a merge left a copy)"
+
+
+def test_repeated_blocks_finds_a_copy() -> None:
+    body = "\n".join(f"line {i}" for i in range(12))
+    assert repeated_blocks(body + "\n\n" + body) == [14, 15, 16]
+    assert repeated_blocks(body) == []

@@ -1,0 +1,73 @@
+"""Each reference-following overlay and recipe runs its reference's updates per rollout: the "updates per rollout"
+row of its docs/reproduce.md section states ``<expert>_loss.mini_batches``, ``mini_batch_split`` and
+``drop_zero_advantage``, and ``fit --print_config`` (the overlay on the main recipe) resolves to exactly those."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.test_reproduce_doc import DOC, ROOT, section_for, table_rows
+from unirl_pl.cli import main
+
+# What must have the row: every published overlay, the overlays that name their reference's update count, and the
+# family recipes that follow Flow-GRPO's trainers.
+OVERLAYS = [
+    "recipes/algorithms/flow_grpo_published.yaml",
+    "recipes/algorithms/flow_grpo_fast_published.yaml",
+    "recipes/algorithms/diffusion_nft_published.yaml",
+    "recipes/algorithms/dapo_published.yaml",
+    "recipes/algorithms/gspo_published.yaml",
+    "recipes/algorithms/grpo_guard.yaml",
+    "recipes/algorithms/mix_grpo.yaml",
+    "recipes/algorithms/mix_grpo_flash.yaml",
+]
+RECIPES = [
+    "recipes/sd35.yaml",
+    "recipes/sd35_ocr.yaml",
+    "recipes/sd35_pickscore.yaml",
+    "recipes/sd35_geneval.yaml",
+    "recipes/flux.yaml",
+    "recipes/wan_t2v.yaml",
+    "recipes/wan22_t2v.yaml",
+]
+SETTING = re.compile(
+    r"`(llm|transformer)_loss\.mini_batches: (\d+)`, `mini_batch_split: (\w+)`(?:, `drop_zero_advantage: (\w+)`)?"
+)
+
+
+def stated(rel: str) -> tuple[str, int, str, bool]:
+    """(expert, mini_batches, split, drop) as the section's "updates per rollout" row states ours."""
+    lines = section_for(DOC.read_text(), rel)
+    assert lines is not None, f"docs/reproduce.md has no section for {rel}"
+    rows = [row for row in table_rows(lines) if row.lstrip("| ").startswith("updates per rollout")]
+    assert len(rows) == 1, f"{rel}: expected one 'updates per rollout' row, found {len(rows)}"
+    match = SETTING.search(rows[0].split("|")[2])
+    assert match, f"{rel}: the row's 'ours' column must name `<expert>_loss.mini_batches: N`, `mini_batch_split: X`"
+    expert, count, split, drop = match.groups()
+    return expert, int(count), split, drop == "true"
+
+
+def resolved(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    with pytest.raises(SystemExit):
+        main(["fit", *args, "--print_config"])
+    return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rel", OVERLAYS + RECIPES)
+def test_print_config_resolves_the_updates_per_rollout_its_row_states(rel: str, capsys) -> None:
+    expert, count, split, drop = stated(rel)
+    config = ["--config", str(ROOT / "recipes" / "joint.yaml")] if rel in OVERLAYS else []
+    loss = resolved([*config, "--config", str(ROOT / rel)], capsys)[f"{expert}_loss"]
+    assert (loss["mini_batches"], loss["mini_batch_split"], loss["drop_zero_advantage"]) == (count, split, drop), rel
+
+
+def test_the_row_pattern_reads_a_row() -> None:
+    row = "| updates per rollout | 2 (`transformer_loss.mini_batches: 2`, `mini_batch_split: sample`) | 2 | x | — |"
+    assert SETTING.search(row).groups() == ("transformer", "2", "sample", None)
+    assert SETTING.search("`llm_loss.mini_batches: 16`, `mini_batch_split: group`, `drop_zero_advantage: true`")
+    assert SETTING.search("`mini_batches: 2`") is None
