@@ -53,9 +53,11 @@ class WeightedSum:
     and the sample's prompt, or with ``nonfinite="drop"`` makes that sample's total NaN (the caller drops
     it) and is counted in :attr:`dropped`.
 
-    With ``normalize="group"`` each term is normalized within its group before weighting (PromptRL's and
-    verl-omni's way of combining rewards on different scales: a PickScore near 22 and an OCR score in
-    [0, 1] then weigh as their weights say, not as their units do). The returned total stays the raw
+    With ``normalize="group"`` each term is normalized within its group before weighting (verl-omni's way of
+    combining rewards on different scales: a PickScore near 22 and an OCR score in [0, 1] then weigh as their
+    weights say, not as their units do). PromptRL instead sums the weighted terms first and normalizes the total
+    within its group (its trainer, G-U-N/UniRL ``unirl/trainer/geneval_grpo_trainer.py`` @53c28c9, line 376):
+    ``normalize="none"``, the default, with the group advantage on the sum. The returned total stays the raw
     weighted sum (logged, and what validation reports); the normalized one is the parts' ``combined``.
 
     Per-sample ``metadata`` (each prompt's row of a JSONL prompt file: :mod:`unirl_pl.rewards.metadata`) goes
