@@ -7,7 +7,8 @@ Serve it with the reference server (the CPU block of recipes/sd35_geneval.yaml p
         --reward-args '{"prompt_file": "recipes/prompts/geneval_example.jsonl"}'
 
 A sample whose metadata is missing or is not its prompt's row is a failed call (the server answers 500, the
-trainer's fit stops); every sample seen and every mismatch is kept for a test to read.
+trainer's fit stops); every sample seen and every mismatch is kept for a test to read, and, given a ``record``
+file, written there too (the server builds the scorer in a worker process of its own: :func:`read_record`).
 """
 
 from __future__ import annotations
@@ -38,11 +39,13 @@ class FakeGenEval:
 
     Args:
         prompt_file: The GenEval metadata file (JSONL) the trainer reads its prompts from.
+        record: A file to append each call's samples and mismatches to, one JSON line a call.
     """
 
-    def __init__(self, prompt_file: str) -> None:
+    def __init__(self, prompt_file: str, record: str | None = None) -> None:
         rows = [json.loads(line) for line in Path(prompt_file).read_text().splitlines() if line.strip()]
         self.rows = {row["prompt"]: row for row in rows}
+        self.record = record
         self.seen: list[tuple[str, dict[str, Any] | None]] = []  # (prompt, metadata) of every sample scored
         self.mismatches: list[str] = []
         self.lock = threading.Lock()
@@ -63,7 +66,16 @@ class FakeGenEval:
         with self.lock:
             self.seen += list(zip(prompts, items, strict=True))
             self.mismatches += bad
+            if self.record is not None:
+                with open(self.record, "a") as f:
+                    f.write(json.dumps({"seen": list(zip(prompts, items, strict=True)), "mismatches": bad}) + "\n")
         if bad:
             raise ValueError(f"{len(bad)} of {len(prompts)} samples without their prompt's GenEval row: {bad[0]}")
         brightness = images.float().mean(dim=tuple(range(1, images.ndim))).tolist()
         return [metadata_score(meta) + 0.01 * b for meta, b in zip(items, brightness, strict=True)]  # type: ignore[arg-type]
+
+
+def read_record(record: str | Path) -> tuple[list[tuple[str, dict[str, Any] | None]], list[str]]:
+    """Every sample (prompt, metadata) and every mismatch a :class:`FakeGenEval` wrote to ``record``."""
+    calls = [json.loads(line) for line in Path(record).read_text().splitlines()]
+    return [(p, m) for call in calls for p, m in call["seen"]], [b for call in calls for b in call["mismatches"]]

@@ -27,6 +27,8 @@ from diffusers import (
     UniPCMultistepScheduler,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from tokenizers import AddedToken
 from transformers import (
@@ -36,6 +38,7 @@ from transformers import (
     CLIPTokenizer,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     T5Tokenizer,
@@ -401,15 +404,164 @@ def make_wan22_ti2v_pipeline(path: str | Path, seed: int = 0) -> Path:
     return _save_wan(path, seed, vae, in_channels=8, expand_timesteps=True)
 
 
+# Z-Image's scheduler (Tongyi-MAI/Z-Image and Z-Image-Turbo scheduler/scheduler_config.json): a fixed shift, 6.0 for
+# the base model and 3.0 for Turbo, no dynamic shifting.
+ZIMAGE_SCHEDULER = {"num_train_timesteps": 1000, "use_dynamic_shifting": False, "shift": 6.0}
+ZIMAGE_TURBO_SHIFT = 3.0
+ZIMAGE_TEXT_WIDTH = 16
+
+
+def make_zimage_pipeline(path: str | Path, turbo: bool = False, seed: int = 0) -> Path:
+    """Save a tiny ``ZImagePipeline`` in the published layout and return it: a 2-layer ``Qwen3Model`` of width 16
+    (``model_index.json`` names ``Qwen3Model``, as the published folders do) with the Qwen3 chat template, a 2x
+    ``AutoencoderKL`` with 4 latent channels and a non-trivial scale and shift, a ``ZImageTransformer2DModel`` of
+    width 32 (2 heads of 16, RoPE axes 4/6/6, two main layers and one layer in each refiner), and Z-Image's
+    scheduler: shift 6.0, or with ``turbo`` Z-Image-Turbo's 3.0 (which is how the generator tells Turbo apart)."""
+    with seeded_cpu_init(seed):
+        transformer = ZImageTransformer2DModel(
+            all_patch_size=(2,),
+            all_f_patch_size=(1,),
+            in_channels=4,
+            dim=32,
+            n_layers=2,
+            n_refiner_layers=1,
+            n_heads=2,
+            n_kv_heads=2,
+            cap_feat_dim=ZIMAGE_TEXT_WIDTH,
+            axes_dims=[4, 6, 6],
+            axes_lens=[1024, 64, 64],
+        )
+        vae = _image_vae(seed)
+        tokenizer = qwen3_tokenizer()
+        text_encoder = Qwen3Model(
+            Qwen3Config(
+                vocab_size=len(tokenizer),
+                hidden_size=ZIMAGE_TEXT_WIDTH,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                head_dim=8,
+                max_position_embeddings=1024,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        ).eval()
+    shift = ZIMAGE_TURBO_SHIFT if turbo else ZIMAGE_SCHEDULER["shift"]
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**{**ZIMAGE_SCHEDULER, "shift": shift}),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
+# Qwen-Image's scheduler (Qwen/Qwen-Image scheduler/scheduler_config.json): flow-matching Euler with dynamic
+# shifting by the exponential time shift, mu from the image's token count (0.5 at 256 tokens to 0.9 at 8192),
+# then stretched so the last sigma before 0 is shift_terminal.
+QWENIMAGE_SCHEDULER = {
+    "base_image_seq_len": 256,
+    "base_shift": 0.5,
+    "max_image_seq_len": 8192,
+    "max_shift": 0.9,
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "shift_terminal": 0.02,
+    "time_shift_type": "exponential",
+    "use_dynamic_shifting": True,
+}
+QWENIMAGE_TEXT_WIDTH = 64
+
+
+def qwenimage_tokenizer() -> object:
+    """The offline word tokenizer (right padding) over QwenImagePipeline's prompt template and a few words, with
+    Qwen2.5-VL's ChatML and vision special tokens and the newline as a token of its own, so the template's
+    system turn and user header are exactly the pipeline's ``prompt_template_encode_start_idx`` (34) tokens, as
+    Qwen2.5-VL's BPE makes them."""
+    from tests.chat_lm import _pieces
+    from tests.vlm_lm import CHAT_TOKENS, VISION_TOKENS
+    from unirl_pl.generators.qwenimage import PROMPT_TEMPLATE, TEMPLATE_TOKENS
+
+    words = (*DEFAULT_WORDS, *_WORDS, *_pieces(PROMPT_TEMPLATE.replace("{}", " ")))
+    tokenizer = build_word_tokenizer(words=tuple(dict.fromkeys(words)), padding_side="right")
+    tokenizer.add_special_tokens({"additional_special_tokens": [*CHAT_TOKENS, *VISION_TOKENS]})
+    tokenizer.add_tokens([AddedToken("\n", special=False, normalized=False)])
+    tokenizer.pad_token = "<|endoftext|>"
+    prefix = PROMPT_TEMPLATE.split("{}")[0]
+    assert len(tokenizer(prefix).input_ids) == TEMPLATE_TOKENS, tokenizer.tokenize(prefix)
+    return tokenizer
+
+
+def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImagePipeline`` in the published layout and return it: a 2-layer Qwen2.5-VL
+    (``Qwen2_5_VLForConditionalGeneration``, text width 64, a 2-block vision tower) with
+    :func:`qwenimage_tokenizer`, a 4x ``AutoencoderKLQwenImage`` with 4 latent channels and non-trivial
+    ``latents_mean``/``latents_std``, a 2-layer ``QwenImageTransformer2DModel`` of width 32 (2 heads of 16, RoPE
+    axes 4/6/6) reading the 64-wide text features, and Qwen-Image's scheduler (:data:`QWENIMAGE_SCHEDULER`)."""
+    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from tests.vlm_lm import _ids, _text_config
+
+    tokenizer = qwenimage_tokenizer()
+    with seeded_cpu_init(seed):
+        transformer = QwenImageTransformer2DModel(
+            patch_size=2,
+            in_channels=4 * 4,  # 2x2-packed 4-channel latents
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=QWENIMAGE_TEXT_WIDTH,
+            axes_dims_rope=(4, 6, 6),
+        )
+        vae = AutoencoderKLQwenImage(
+            base_dim=8,
+            z_dim=4,
+            dim_mult=[1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True],
+            # Not 0 and 1, so that decode's un-normalisation is exercised.
+            latents_mean=[0.1, -0.2, 0.3, 0.0],
+            latents_std=[1.5, 0.5, 2.0, 1.0],
+        ).eval()
+        vision = {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "out_hidden_size": QWENIMAGE_TEXT_WIDTH,
+        }
+        config = Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision, **_ids(tokenizer))
+        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    pipe = QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(path))
+    return Path(path)
+
+
 def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.Tensor:
     """Standard-normal float32 latents (batch, *shape) from a private generator."""
     return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
 
 
 if __name__ == "__main__":
-    # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v,flux2_klein,flux2_klein_distilled} FOLDER: a tiny
-    # random pipeline folder for CPU runs of the family recipes (the recipes' headers list the overrides that fit
-    # these sizes).
+    # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v,flux2_klein,flux2_klein_distilled,zimage,zimage_turbo,
+    # qwenimage}
+    # FOLDER: a tiny random pipeline folder for CPU runs of the family recipes (the recipes' headers list the
+    # overrides that fit these sizes).
     import sys
 
     builders = {
@@ -420,6 +572,9 @@ if __name__ == "__main__":
         "wan22_ti2v": make_wan22_ti2v_pipeline,
         "flux2_klein": make_flux2_klein_pipeline,
         "flux2_klein_distilled": lambda folder: make_flux2_klein_pipeline(folder, distilled=True),
+        "zimage": make_zimage_pipeline,
+        "zimage_turbo": lambda folder: make_zimage_pipeline(folder, turbo=True),
+        "qwenimage": make_qwenimage_pipeline,
     }
     if len(sys.argv) != 3 or sys.argv[1] not in builders:
         sys.exit(f"usage: python -m tests.pipelines {{{','.join(builders)}}} FOLDER")

@@ -1,5 +1,5 @@
-"""Every package ``unirl_pl`` imports is declared in pyproject.toml, and the ``rewards`` extra installs
-every package a reward imports.
+"""Every package ``unirl_pl`` imports is declared in pyproject.toml, the ``rewards`` extra installs every
+package a reward imports, and the ``serve`` extra every package the reward server imports.
 
 The imports are read from the source (``ast``), those inside functions included: an optional package is
 imported where it is used (the OCR reward's ``rapidocr_onnxruntime``), and an undeclared one there fails
@@ -34,7 +34,13 @@ NOT_INSTALLED = {
     "scipy": "scipy",
     "PIL": "pillow",
     "yaml": "pyyaml",
+    "litserve": "litserve",
+    "uvicorn": "uvicorn",
+    "h11": "h11",
 }
+# The reward server's modules: what they import comes with the ``serve`` extra, not the ``rewards`` one (the
+# server is not a reward; a reward serves through it by name).
+SERVER_MODULES = {"unirl_pl/rewards/server.py", "unirl_pl/rewards/server_front.py", "unirl_pl/rewards/server_worker.py"}
 
 
 def normalize(name: str) -> str:
@@ -117,11 +123,30 @@ def test_every_imported_package_is_declared():
 def test_the_rewards_extra_installs_every_package_a_reward_imports():
     core, extras = declared()
     assert extras["ocr"] <= extras["rewards"], "the rewards extra is the union of the reward extras"
-    needed = top_level_imports(PACKAGE / "rewards")
+    needed = {
+        name: files - SERVER_MODULES
+        for name, files in top_level_imports(PACKAGE / "rewards").items()
+        if files - SERVER_MODULES
+    }
     missing = {
         name: sorted(files) for name, files in needed.items() if not distributions(name) & (core | extras["rewards"])
     }
     assert not missing, f"a reward imports a package that neither the core nor the rewards extra installs: {missing}"
+
+
+def test_the_serve_extra_installs_every_package_the_reward_server_imports():
+    core, extras = declared()
+    needed = {
+        name: files & SERVER_MODULES for name, files in top_level_imports(PACKAGE).items() if files & SERVER_MODULES
+    }
+    assert {"litserve", "uvicorn", "h11", "torch"} <= set(needed), "the scan missed the server's imports"
+    missing = {
+        name: sorted(files) for name, files in needed.items() if not distributions(name) & (core | extras["serve"])
+    }
+    assert not missing, (
+        f"the reward server imports a package that neither the core nor the serve extra installs: {missing}"
+    )
+    assert extras["serve"] <= extras["dev"], "the development install runs the server's tests"
 
 
 def test_the_reader_expands_extras_and_normalizes_names():

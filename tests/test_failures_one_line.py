@@ -232,3 +232,52 @@ def test_the_projects_message_around_a_library_error_is_shown_with_its_cause(mon
     assert exit_info.value.code == 2 and "Traceback" not in err
     assert "install the extra with `pip install -e .[ocr]`" in err, err
     assert "(cause: import of rapidocr_onnxruntime halted" in err, err
+
+
+# ---------------------------------------------------------------- a user's copy of the shipped assets
+def _flipped_copy(tmp_path: Path, folder: str = "refiner", weights: str = "model.safetensors") -> Path:
+    """A copy of a shipped asset folder outside unirl_pl/assets with one payload byte of its weights flipped."""
+    copy = tmp_path / "my_assets" / folder
+    shutil.copytree(ASSETS / "shapes" / folder, copy)
+    data = bytearray((copy / weights).read_bytes())
+    data[-5] ^= 0xFF  # the last tensor's bytes: the header (length + JSON) is intact
+    (copy / weights).write_bytes(bytes(data))
+    return copy
+
+
+def test_a_copy_of_the_shipped_assets_with_a_flipped_payload_byte_is_refused(tmp_path):
+    copy = _flipped_copy(tmp_path)
+    with pytest.raises(AssetIntegrityError) as err:
+        CausalLMExpert(pretrained_path=str(copy)).build()
+    message = str(err.value)
+    assert message.startswith(f"CausalLMExpert: {copy / 'model.safetensors'} is a copy of the shipped asset ")
+    assert "shapes/refiner/model.safetensors" in message and "the copy is corrupt" in message and "\n" not in message
+    # An intact copy loads; weights trained from the shipped ones carry their folder's own manifest, checked instead.
+    intact = tmp_path / "intact"
+    shutil.copytree(ASSETS / "shapes" / "refiner", intact)
+    assert verify_assets(intact) == [intact / "model.safetensors"], "only the listed weights are hashed"
+    write_manifest(copy)
+    assert len(verify_assets(copy)) == 5, "the folder's own manifest lists every file"
+    (copy / "config.json").write_text("{}")
+    with pytest.raises(AssetIntegrityError, match=r"file .*config\.json does not match its sha256 in .*my_assets"):
+        verify_assets(copy)
+
+
+@pytest.mark.slow
+def test_a_recipe_pointing_at_a_corrupt_copy_stops_at_setup_in_one_line(tmp_path, capsys):
+    copy = _flipped_copy(tmp_path, "transformer", "diffusion_pytorch_model.safetensors")
+    args = [
+        "fit",
+        "--config",
+        JOINT,
+        f"--model.generator.init_args.transformer.init_args.pretrained_path={copy.parent}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_steps=1",
+    ]
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert stop.value.code == 2 and "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("error: FlowTransformerExpert: ") and "is a copy of" in lines[0]
+    assert not list(tmp_path.rglob("*.ckpt")), "stopped before training"

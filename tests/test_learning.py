@@ -107,7 +107,8 @@ def test_generator_update_is_a_real_policy_gradient_step(tmp_path):
         "--model.mode=generator_only",
         "--trainer.max_steps=20",
         *COMMON,
-        "--model.rewards={brightness: -1.0}",
+        # A negative weight is asked for (allow_negative): the short form refuses one.
+        "--model.rewards=[{reward: {class_path: unirl_pl.rewards.Brightness}, weight: -1.0, allow_negative: true}]",
         "--model.transformer_optimizer.init_args.lr=0.01",
         name="down",
     )

@@ -405,13 +405,27 @@ def test_plan_refuses_a_count_fit_refuses_in_one_line(override, message, capsys)
 
 
 def test_a_missing_model_folder_is_an_error_not_the_shipped_default():
-    """A folder given on the command line must exist (or name a shipped config); the recipe's hub id maps
-    to the shipped config of that name, and a recipe without one falls back to the family's default."""
+    """A folder given on the command line or in the recipe must exist (or name a shipped config); the recipe's hub
+    id maps to the shipped config of that name, and only a recipe without one falls back to the family's default."""
     assert resolve_folder(None, "Qwen/Qwen2.5-7B-Instruct", None, "LM") == SHIPPED / "Qwen2.5-7B-Instruct"
-    assert resolve_folder(None, "/elsewhere/model", "FLUX.1-dev", "pipeline") == SHIPPED / "FLUX.1-dev"
+    assert resolve_folder(None, None, "FLUX.1-dev", "pipeline") == SHIPPED / "FLUX.1-dev"
+    assert resolve_folder(None, "/models/FLUX.1-dev", "SD", "pipeline") == SHIPPED / "FLUX.1-dev", "another machine's"
     assert resolve_folder("Wan2.2-T2V-A14B-Diffusers", None, "FLUX.1-dev", "p") == SHIPPED / "Wan2.2-T2V-A14B-Diffusers"
-    with pytest.raises(FileNotFoundError, match="shipped configs: FLUX.1-dev"):
+    with pytest.raises(FileNotFoundError, match="--pipeline-path='/no/such/folder' is not a local folder.*FLUX.1-dev"):
         resolve_folder("/no/such/folder", None, "FLUX.1-dev", "pipeline")
+    with pytest.raises(FileNotFoundError, match=r"model\.pipeline_path='/elsewhere/model' is not a local folder"):
+        resolve_folder(None, "/elsewhere/model", "FLUX.1-dev", "pipeline")
+
+
+def test_plan_refuses_a_recipe_pipeline_path_that_is_missing_in_one_line(capsys):
+    """Was planned from the family's shipped config without a word; the fallback is for a recipe without a path."""
+    missing = "/no/such/stable-diffusion"
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--config", SD35, f"--model.pipeline_path={missing}", "--no-search", "--quiet"])
+    captured = capsys.readouterr()
+    assert exit_.value.code == 2 and captured.out == "" and "Traceback" not in captured.err
+    first = captured.err.splitlines()[0]
+    assert first.startswith(f"error: no pipeline config: model.pipeline_path='{missing}' is not a local folder"), first
 
 
 @pytest.mark.integration

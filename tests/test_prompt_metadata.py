@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +20,15 @@ import torch
 
 from tests.geneval_server import FakeGenEval, constraint_count, metadata_score
 from tests.helpers import ROOT, run_cli
-from tests.test_rewards_server import _exchange, _post_bytes, _refused, _request
+from tests.served_rewards import read_calls
+from tests.test_rewards_server import _exchange, _post_bytes, _refused, _request, _together
 from unirl_pl.data import PromptDataModule, _FixedPrompts, _PromptStream, load_prompt_records, load_prompts
 from unirl_pl.layout import GroupLayout
 from unirl_pl.rewards import Brightness, HTTPReward, WeightedSum
 from unirl_pl.rewards.http import encode_images
 from unirl_pl.rewards.metadata import WithMetadata, accepts_metadata
 from unirl_pl.rewards.overlap import decode_while_scoring
-from unirl_pl.rewards.server import RewardHTTPServer
+from unirl_pl.rewards.server import RewardServer, serve
 
 HERE = "tests.test_prompt_metadata"
 EXAMPLE = ROOT / "recipes" / "prompts" / "geneval_example.jsonl"
@@ -213,60 +214,43 @@ def test_overlapped_remote_terms_get_each_chunk_s_metadata():
 # ------------------------------------------------------------------ the http reward and the server
 
 
-class BrightnessSeen:
-    """Brightness that declares ``metadata`` and keeps what each call got; a row ``{"fail": true}`` raises."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[int, list[Any] | None]] = []
-
-    def __call__(
-        self,
-        prompts: list[str],
-        refined_prompts: list[str],
-        images: torch.Tensor,
-        metadata: list[dict[str, Any] | None] | None = None,
-    ) -> list[float]:
-        self.calls.append((len(prompts), metadata))
-        if metadata is not None and any(m is not None and m.get("fail") for m in metadata):
-            raise RuntimeError("poisoned metadata")
-        return Brightness()(prompts, refined_prompts, images)
+SEEN = "tests.served_rewards.SeenMetadata"  # Brightness that declares metadata and logs what each call got
 
 
-@pytest.fixture
-def start() -> Iterator[Callable[..., RewardHTTPServer]]:
-    servers: list[RewardHTTPServer] = []
-
-    def run(reward: Any, batch_wait_s: float = 0.005) -> RewardHTTPServer:
-        server = RewardHTTPServer(("127.0.0.1", 0), reward, "seen", batch_wait_s=batch_wait_s, read_timeout_s=2.0)
-        server.thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        server.thread.start()
-        servers.append(server)
-        return server
-
-    yield run
-    for server in servers:
-        server.close()
+@pytest.fixture(scope="module")
+def seen(tmp_path_factory) -> Iterator[tuple[RewardServer, Path]]:
+    """A SeenMetadata server batching for 0.3 s, and its log (emptied by each test that reads it)."""
+    log = tmp_path_factory.mktemp("seen") / "calls.jsonl"
+    log.touch()
+    server = serve(SEEN, reward_args={"log": str(log)}, batch_wait_s=0.3, read_timeout_s=5.0)
+    yield server, log
+    server.close()
 
 
-def test_the_http_reward_sends_each_batch_s_metadata(start):
-    seen = BrightnessSeen()
-    server = start(seen)
+def _seen_calls(log: Path) -> list[tuple[int, list[Any] | None]]:
+    return [(call["n"], call["metadata"]) for call in read_calls(log)]
+
+
+def test_the_http_reward_sends_each_batch_s_metadata(seen):
+    server, log = seen
+    log.write_text("")
     images, rows = _images(5), _rows(5)
     metadata = [rows[0], None, rows[2], rows[3], rows[4]]
     client = HTTPReward(server.url, batch_size=2, **FAST)
     assert client(["a"] * 5, ["b"] * 5, images, metadata=metadata) == pytest.approx(
         Brightness()(["a"] * 5, ["b"] * 5, images), abs=1e-6
     )
-    assert [m for _, got in seen.calls for m in got] == metadata and [n for n, _ in seen.calls] == [2, 2, 1]
+    calls = _seen_calls(log)
+    assert [m for _, got in calls for m in got] == metadata and [n for n, _ in calls] == [2, 2, 1]
     client(["a"] * 2, ["b"] * 2, images[:2])
-    assert seen.calls[-1] == (2, None), "no metadata: the request is as before"
+    assert _seen_calls(log)[-1] == (2, None), "no metadata: the request is as before"
     with pytest.raises(ValueError, match=r"metadata\[1\] must be a JSON object"):
         client(["a"] * 2, ["b"] * 2, images[:2], metadata=[rows[0], "bench"])
     # Through the weighted reward, from the registry.
     total, _ = WeightedSum({"http": 1.0}, {"http": {"url": server.url, **FAST}})(
         ["a"] * 2, ["b"] * 2, images[:2], metadata=rows[:2]
     )
-    assert seen.calls[-1] == (2, rows[:2]) and total.tolist() == pytest.approx(
+    assert _seen_calls(log)[-1] == (2, rows[:2]) and total.tolist() == pytest.approx(
         Brightness()([""] * 2, [""] * 2, images[:2])
     )
 
@@ -292,50 +276,64 @@ CLOSE = "Connection: close\r\n"
         ([None, [{"class": "cat"}]], "metadata[1] must be a JSON object or null, got list"),
     ],
 )
-def test_the_server_refuses_bad_metadata_while_a_good_request_is_answered(start, metadata: Any, expected: str):
-    server = start(BrightnessSeen())
+def test_the_server_refuses_bad_metadata_while_a_good_request_is_answered(seen, metadata: Any, expected: str):
+    server, _ = seen
     body, _ = _refused(server.url, _body(2, metadata), 400, expected)
     assert body["error"].startswith("bad request: ")
 
 
-def test_the_server_takes_null_metadata_and_passes_it_only_to_a_reward_that_declares_it(start):
-    seen = BrightnessSeen()
-    server = start(seen)
+def test_the_server_takes_null_metadata_and_passes_it_to_a_reward_that_declares_it(seen):
+    server, log = seen
     for metadata, passed in [(None, None), ([None, {"tag": "colors"}], [None, {"tag": "colors"}])]:
         status, _, body, _ = _exchange(server.url, _body(2, metadata, CLOSE))
         assert status == 200 and len(body["scores"]) == 2
-        assert seen.calls[-1] == (2, passed)
-    plain = start(Brightness())  # declares no metadata: scored as before, the field ignored
-    status, _, body, _ = _exchange(plain.url, _body(2, [{"tag": "colors"}, None], CLOSE))
+        assert _seen_calls(log)[-1] == (2, passed)
+
+
+@pytest.mark.slow  # a server of its own
+def test_the_server_passes_no_metadata_to_a_reward_that_does_not_declare_it():
+    plain = serve("brightness")  # declares no metadata: scored as before, the field ignored
+    try:
+        status, _, body, _ = _exchange(plain.url, _body(2, [{"tag": "colors"}, None], CLOSE))
+    finally:
+        plain.close()
     assert status == 200 and len(body["scores"]) == 2
 
 
-def test_batched_requests_with_and_without_metadata_are_scored_in_one_call(start):
-    seen = BrightnessSeen()
-    server = start(seen, batch_wait_s=0.5)
+def test_batched_requests_with_and_without_metadata_are_scored_in_one_call(seen):
+    server, log = seen
     rows = _rows(2)
-    results: dict[int, list[float]] = {}
 
-    def call(i: int) -> None:
-        results[i] = HTTPReward(server.url, **FAST)(
-            ["a"] * 2, ["b"] * 2, _images(2, seed=i), metadata=[None, rows[1]] if i else None
-        )
+    def send() -> dict[int, list[float]]:
+        results: dict[int, list[float]] = {}
 
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=20)
-    assert len(results) == 2 and server.batcher.calls == [4], server.batcher.calls
-    ((n, metadata),) = seen.calls
-    assert n == 4 and sorted(metadata, key=lambda m: m is not None) == [None, None, None, rows[1]]
+        def call(i: int) -> None:
+            results[i] = HTTPReward(server.url, **FAST)(
+                ["a"] * 2, ["b"] * 2, _images(2, seed=i), metadata=[None, rows[1]] if i else None
+            )
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return results
+
+    results, calls = _together(send, log, lambda call: call["n"] == 4)
+    assert len(results) == 2 and [call["n"] for call in calls] == [4], calls
+    assert sorted(calls[0]["metadata"], key=lambda m: m is not None) == [None, None, None, rows[1]]
 
 
-def test_a_request_whose_metadata_breaks_the_reward_does_not_fail_its_batch_mates(start):
-    server = start(BrightnessSeen(), batch_wait_s=0.3)
-    body, _ = _refused(server.url, _body(1, [{"fail": True}]), 500, "RuntimeError: poisoned metadata")
-    assert "reward 'seen'" in body["error"]
-    assert server.batcher.calls[0] == 3 and sorted(server.batcher.calls[1:]) == [1, 2], server.batcher.calls
+def test_a_request_whose_metadata_breaks_the_reward_does_not_fail_its_batch_mates(seen):
+    server, log = seen
+
+    def send() -> dict[str, Any]:
+        return _refused(server.url, _body(1, [{"fail": True}]), 500, "RuntimeError: poisoned metadata")[0]
+
+    body, calls = _together(send, log, lambda call: call["n"] == 3)
+    assert f"reward '{SEEN}'" in body["error"]
+    sizes = [call["n"] for call in calls]
+    assert sizes[0] == 3 and sorted(sizes[1:]) == [1, 2], calls  # together, then each alone
 
 
 # ------------------------------------------------------------------ a fit: every image gets its prompt's row

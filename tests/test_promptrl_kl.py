@@ -248,11 +248,15 @@ def test_cps_and_diffusion_nft_refuse_promptrl_with_their_reason(algorithm, matc
     _one_line_error(lambda: algorithm.check_settings(ExpertLoss(clip_eps=1e-4, kl_form="promptrl")), match)
 
 
-def test_a_recipe_with_kl_form_on_the_refiner_fails_when_the_module_is_built():
+def test_a_recipe_with_kl_form_on_the_refiner_is_refused_when_the_recipe_is_read(capsys):
+    """Refused as the module is built from the recipe, before any model loads: one line, no traceback."""
     quiet = ["--trainer.logger=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false"]
-    cli = main(["--config", TINY, *quiet, "--model.llm_loss.kl_form=promptrl"], run=False)
-    assert cli.model.losses["llm"].kl_form == "promptrl"
-    _one_line_error(cli.model.configure_model, "model.llm_loss.kl_form='promptrl'")
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", TINY, *quiet, "--model.llm_loss.kl_form=promptrl"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert stop.value.code == 2 and "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert "model.llm_loss.kl_form='promptrl'" in lines[0]
     ok = main(["--config", TINY, *quiet, "--model.transformer_loss.kl_form=promptrl"], run=False)
     ok.model.configure_model()
     assert ok.model.loss_settings("transformer").kl_form == "promptrl"

@@ -286,18 +286,67 @@ def test_check_identity_lists_every_changed_key():
         check_identity(saved, current)
     message = str(info.value)
     for line in (
-        "  llm.lora_rank: checkpoint=8 now=4",
-        "  llm.lr: checkpoint=0.001 now=0.1",
-        "  llm.optimizer: checkpoint='torch.optim.adamw.AdamW' now='torch.optim.sgd.SGD'",
-        "  mode: checkpoint='joint' now='prompt_only'",
-        "  trained: checkpoint=['llm', 'transformer'] now=['llm']",
-        "  transformer.lr: checkpoint=0.0003 now='<absent>'",
+        "llm.lora_rank: checkpoint=8 now=4",
+        "llm.lr: checkpoint=0.001 now=0.1",
+        "llm.optimizer: checkpoint='torch.optim.adamw.AdamW' now='torch.optim.sgd.SGD'",
+        "mode: checkpoint='joint' now='prompt_only'",
+        "trained: checkpoint=['llm', 'transformer'] now=['llm']",
+        "transformer.lr: checkpoint=0.0003 now='<absent>'",
     ):
         assert line in message, message
-    assert "lora_alpha" not in message
+    assert "lora_alpha" not in message and "\n" not in message, "one line: the CLI prints it as its refusal"
     check_identity({**saved, "data.seed": 3}, saved)  # no datamodule now (export): the seed is not compared
-    with pytest.raises(ValueError, match=r"  data\.seed: checkpoint=3 now=4"):
+    with pytest.raises(ValueError, match=r"Changed settings: data\.seed: checkpoint=3 now=4$"):
         check_identity({**saved, "data.seed": 3}, {**saved, "data.seed": 4})
+
+
+def test_the_run_identity_holds_the_ema_and_a_resume_may_not_drop_or_change_it():
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from unirl_pl.callbacks import EMA
+    from unirl_pl.errors import InputError
+    from unirl_pl.identity import ema_identity, saved_ema_identity
+
+    module = _module()
+    fitting = SimpleNamespace(state=SimpleNamespace(fn=TrainerFn.FITTING), callbacks=[EMA(decay=0.5)])
+    module._trainer = fitting
+    assert ema_identity(module) == {"ema": "on", "ema.components": ["llm", "transformer"], "ema.decay": 0.5}
+    fitting.callbacks = []
+    assert ema_identity(module) == {"ema": "off"}
+    fitting.state.fn = TrainerFn.VALIDATING
+    assert ema_identity(module) == {}, "validate and predict may score a checkpoint's raw weights"
+    # A checkpoint written before the identity held the EMA: its EMA state says, else it had none.
+    state = {"decay": 0.9, "components": ["transformer"], "ema": {"transformer.lora": torch.zeros(1)}}
+    assert saved_ema_identity({"callbacks": {"EMA": state}})["ema.components"] == ["transformer"]
+    assert saved_ema_identity({"callbacks": {}}) == {"ema": "off"}
+
+    base = run_identity(_module())
+    on = {**base, "ema": "on", "ema.components": ["llm", "transformer"], "ema.decay": 0.9}
+    with pytest.raises(InputError) as dropped:
+        check_identity(on, {**base, "ema": "off"}, "runs/last.ckpt")
+    message = str(dropped.value)
+    assert message.startswith("the checkpoint runs/last.ckpt was written by a differently configured run")
+    assert "ema: checkpoint='on' now='off'" in message and "model.ema" in message and "\n" not in message
+    with pytest.raises(InputError, match=r"ema\.components: checkpoint=\['llm', 'transformer'\] now=\['llm'\]"):
+        check_identity(on, {**on, "ema.components": ["llm"]})
+    with pytest.raises(InputError, match=r"ema\.decay: checkpoint=0\.9 now=0\.5"):
+        check_identity(on, {**on, "ema.decay": 0.5})
+    check_identity({**base, "ema": "off"}, on)  # an EMA may start on resume, from the restored weights
+    check_identity(on, base)  # not fitting (validate, export): the EMA is not compared
+
+
+def test_ema_components_the_model_cannot_average_are_refused_when_the_module_is_built():
+    from unirl_pl.callbacks import EMA
+    from unirl_pl.errors import ConfigError
+
+    with pytest.raises(ValueError, match=r"model\.ema\.init_args\.components=\['vae'\]: this model has no expert"):
+        _module(ema=EMA(components=["vae"]))
+    with pytest.raises(ValueError, match=r"\['llm'\] is not trained in mode 'generator_only'"):
+        _module(ema=EMA(components=["llm"]), mode="generator_only")
+    assert _module(ema=EMA(components=["transformer"]), mode="generator_only").ema is not None
+    # The same EMA as a trainer callback: refused at setup, before the models load, as a configuration error.
+    with pytest.raises(ConfigError, match=r"the EMA callback's components=\['llm'\]"):
+        EMA(components=["llm"]).setup(None, _module(mode="generator_only"), "fit")
 
 
 # ------------------------------------------------------------------ asset manifest

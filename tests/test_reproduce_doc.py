@@ -30,6 +30,7 @@ REFERENCES: dict[str, tuple[str, ...]] = {
     "Wan2.1": ("Wan2.1", "flow_grpo"),
     "Wan2.2": ("Wan2.2",),
     "PromptRL": ("PromptRL", "UniRL"),
+    "Flow-Factory": ("Flow-Factory", "flow_factory"),
 }
 _NAMES = "|".join(re.escape(name) for name in sorted(REFERENCES, key=len, reverse=True))
 # "as Flow-GRPO ...", "as in MixGRPO", "as DiffusionNFT's ..."; "Flow-GRPO-Fast as published".

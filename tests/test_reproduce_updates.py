@@ -14,7 +14,7 @@ from tests.test_reproduce_doc import DOC, ROOT, section_for, table_rows
 from unirl_pl.cli import main
 
 # What must have the row: every published overlay, the overlays that name their reference's update count, and the
-# family recipes that follow Flow-GRPO's trainers.
+# family recipes that follow Flow-GRPO's and Flow-Factory's trainers.
 OVERLAYS = [
     "recipes/algorithms/flow_grpo_published.yaml",
     "recipes/algorithms/flow_grpo_fast_published.yaml",
@@ -33,6 +33,9 @@ RECIPES = [
     "recipes/flux.yaml",
     "recipes/wan_t2v.yaml",
     "recipes/wan22_t2v.yaml",
+    "recipes/zimage.yaml",
+    "recipes/zimage_turbo.yaml",
+    "recipes/qwenimage.yaml",
 ]
 SETTING = re.compile(
     r"`(llm|transformer)_loss\.mini_batches: (\d+)`, `mini_batch_split: (\w+)`(?:, `drop_zero_advantage: (\w+)`)?"

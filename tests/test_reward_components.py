@@ -174,3 +174,26 @@ def test_the_docs_table_names_every_reward_with_the_class_it_aliases():
     assert set(rows) == set(REGISTRY), "one row per registered reward"
     for alias, path in rows.items():
         assert reward_class(path) is _registered_class(alias), alias
+
+
+def test_a_negative_weight_is_refused_unless_the_term_allows_it(capsys):
+    """A sign typed by mistake trains the run to lower its reward: refused, unless the term says it is a penalty."""
+    with pytest.raises(ValueError, match=r"reward term 'brightness' has weight -1\.0: .*allow_negative: true"):
+        RewardTerm(Brightness(), weight=-1.0)
+    penalty = WeightedSum([RewardTerm(Brightness(), weight=-1.0, allow_negative=True)])
+    images = torch.full((2, 3, 4, 4), 0.25)
+    total, parts = penalty(["a", "b"], ["a", "b"], images)
+    assert total.tolist() == [-0.25, -0.25] and parts["brightness"].tolist() == [0.25, 0.25]
+    assert RewardTerm(Brightness(), weight=0.0).weight == 0.0, "zero logs the term without training on it"
+    with pytest.raises(ValueError, match=r"negative reward weights \{'brightness': -1\.0\}.*allow_negative: true"):
+        WeightedSum({"brightness": -1.0})
+    # On the command line: one line naming the setting, before any model loads.
+    from tests.helpers import TINY
+    from unirl_pl.cli import main
+
+    rewards = "--model.rewards=[{reward: {class_path: unirl_pl.rewards.Brightness}, weight: -1.0}]"
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", TINY, rewards, "--model.reward_args=null", "--trainer.logger=false"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert stop.value.code == 2 and "Traceback" not in err and len(lines) == 1 and "allow_negative" in lines[0], err

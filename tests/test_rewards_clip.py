@@ -4,6 +4,7 @@ placement, videos, and clear errors for a missing path."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from torch import nn
 from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
 from tests.pipelines import clip_tokenizer
+from unirl_pl.errors import InputError
 from unirl_pl.rewards import WeightedSum, resolve_reward
 from unirl_pl.rewards.clip_models import Aesthetic, AestheticMLP, CLIPScore, PickScore, quantize, unique_texts
 from unirl_pl.rewards.frames import reduce_frames, sample_frames
@@ -157,6 +159,29 @@ def test_a_missing_path_is_an_error_naming_the_reward_and_the_path(tmp_path):
         resolve_reward("aesthetic", {})
     with pytest.raises(ValueError, match="reward 'aesthetic': its aesthetic MLP .* is not a file"):
         resolve_reward("aesthetic", {"mlp_path": missing})
+
+
+def _random_bytes(path: Path) -> None:
+    path.write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator()).numpy().tobytes())
+
+
+def test_a_corrupt_checkpoint_is_named_with_the_reward_and_its_path(clip_dir, hps_files, tmp_path):
+    """Random bytes where the weights belong: safetensors' "header too large" names neither the reward nor the file."""
+    folder = tmp_path / "PickScore_v1"
+    shutil.copytree(clip_dir, folder)
+    _random_bytes(folder / "model.safetensors")
+    with pytest.raises(InputError) as err:
+        PickScore(pretrained_path=str(folder), processor_path=clip_dir)
+    message = str(err.value)
+    assert message.startswith(
+        f"reward 'pickscore': its CLIP model (pretrained_path) {str(folder / 'model.safetensors')!r}"
+    )
+    assert "is corrupt" in message and "header" in message and "\n" not in message, message
+    _, clip, _ = hps_files
+    for name in ("HPS_v2.1_compressed.pt", "HPS_v2.1_compressed.safetensors"):
+        _random_bytes(tmp_path / name)
+        with pytest.raises(InputError, match=rf"^reward 'hpsv2': its checkpoint '.*{name}' is corrupt"):
+            HPSv2(pretrained_path=str(tmp_path / name), clip_path=clip)
 
 
 def test_registry_scorers_combine_in_a_weighted_sum(clip_dir):

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLImageProcessorPil,
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
+from unirl_pl.errors import InputError
 from unirl_pl.rewards import resolve_reward
 from unirl_pl.rewards.clip_models import quantize
 from unirl_pl.rewards.hpsv3 import HPSv3, hpsv3_to_transformers, reward_head, smart_resize
@@ -303,6 +304,16 @@ def test_missing_weights_name_the_reward_and_the_download(hps, tmp_path):
         HPSv3(pretrained_path="nobody/not-hpsv3", processor_path=hps["base"])
     with pytest.raises(ValueError, match=r"reward 'hpsv3'.*tokenizer \(processor_path.*Qwen2-VL-7B-Instruct"):
         HPSv3(pretrained_path=hps["ckpt"], processor_path=str(tmp_path / "no-such-folder"))
+
+
+def test_a_corrupt_checkpoint_is_named_with_the_reward_and_its_path(hps, tmp_path):
+    """Random bytes where HPSv3.safetensors belongs: safetensors' own error names neither the reward nor the file."""
+    (tmp_path / "HPSv3.safetensors").write_bytes(torch.randint(0, 256, (4096,), dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(InputError) as err:
+        HPSv3(pretrained_path=str(tmp_path), processor_path=hps["base"], dtype="float32")
+    message = str(err.value)
+    assert message.startswith(f"reward 'hpsv3': its checkpoint {str(tmp_path / 'HPSv3.safetensors')!r} is corrupt")
+    assert "header" in message and "\n" not in message, message
 
 
 def test_registered_and_scored_through_the_registry(hps):

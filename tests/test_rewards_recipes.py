@@ -14,7 +14,7 @@ import yaml
 from transformers import CLIPModel
 
 from tests.chat_lm import make_qwen2_chat_lm
-from tests.geneval_server import FakeGenEval, metadata_score
+from tests.geneval_server import FakeGenEval, metadata_score, read_record
 from tests.helpers import ROOT, read_metrics, series
 from tests.pipelines import make_sd3_pipeline
 from tests.test_rewards_clip import _config, _save_processor
@@ -126,8 +126,11 @@ def test_geneval_recipe_sends_every_image_its_prompt_s_geneval_row(tmp_path, tin
     sanity check's validation batch arrives with its own row, in requests of the block's 2 images."""
     recipe = ROOT / "recipes" / "sd35_geneval.yaml"
     prompts = ROOT / "recipes" / "prompts" / "geneval_example.jsonl"
-    server = serve(f"{FakeGenEval.__module__}.FakeGenEval", reward_args={"prompt_file": str(prompts)})
-    fake = server.reward
+    record = tmp_path / "geneval.jsonl"
+    fake = FakeGenEval(str(prompts))  # its rows; the served one, built in the server's worker, writes the record
+    server = serve(
+        f"{FakeGenEval.__module__}.FakeGenEval", reward_args={"prompt_file": str(prompts), "record": str(record)}
+    )
     try:
         # The server's address for the header's, and the example file wherever the tests run from.
         paths = {**tiny, "http://127.0.0.1:18085/": server.url, "recipes/prompts/": f"{ROOT}/recipes/prompts/"}
@@ -137,11 +140,11 @@ def test_geneval_recipe_sends_every_image_its_prompt_s_geneval_row(tmp_path, tin
         cli = fit_cpu_block(recipe, args, tmp_path)
     finally:
         server.close()
-    assert not fake.mismatches, fake.mismatches[:3]
+    seen, mismatches = read_record(record)
+    assert not mismatches, mismatches[:3]
     # 2 steps x 2 prompts x 2 texts x 1 image, and the sanity check's validation batch of 2 prompts.
-    assert len(fake.seen) == 2 * 2 * 2 + 2, len(fake.seen)
-    assert all(meta == fake.rows[prompt] for prompt, meta in fake.seen)
-    assert sum(server.batcher.calls) == len(fake.seen)
+    assert len(seen) == 2 * 2 * 2 + 2, len(seen)
+    assert all(meta == fake.rows[prompt] for prompt, meta in seen)
     rows = read_metrics(cli)
     scores = series(rows, "reward/http")
     assert len(scores) == 2 and len(series(rows, "reward/refiner_format")) == 2

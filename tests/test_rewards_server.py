@@ -1,7 +1,13 @@
-"""The reference server serving registered rewards: concurrent requests batched into one reward call,
-served PickScore equal to PickScore in process, every refused request (its status, its JSON error, the
-connection closed, a concurrent good request still scored right), and (integration) a 2-step fit on the
-tiny SD3 pipeline whose rewards through the server equal the in-process ones."""
+"""The reference server (LitServe) serving registered and dotted-path rewards: concurrent requests batched into
+one reward call, kept apart by image size and cut at the batch limit, served PickScore equal to PickScore in
+process, every refused request (its status, its JSON error, the connection closed, a concurrent good request
+still scored right), one bad request failing none of its batch-mates, the command line's one-line refusals
+(the serve extra missing included), (integration) ``serve-reward`` in its own process, and a 2-step fit on the
+tiny SD3 pipeline whose rewards through the server equal the in-process ones.
+
+The reward runs in LitServe's worker process: what a test reads of its calls, a :class:`Recorded` reward writes
+to a file. Servers are shared per module (each start spawns that worker); the tests that wait for a deadline
+use a read timeout of seconds, with stalls far beyond it, and are slow."""
 
 from __future__ import annotations
 
@@ -9,9 +15,12 @@ import base64
 import importlib
 import io
 import json
-import math
+import select
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -24,19 +33,22 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.helpers import ROOT
+import unirl_pl.rewards
+from tests.helpers import ROOT, subprocess_env
 from tests.pipelines import make_sd3_pipeline
+from tests.served_rewards import read_calls
 from tests.test_rewards_clip import PROMPTS, _config, _save_processor
 from unirl_pl.cli import main
 from unirl_pl.rewards import Brightness, HTTPReward
-from unirl_pl.rewards.batcher import RequestBatcher
 from unirl_pl.rewards.clip_models import PickScore
 from unirl_pl.rewards.http import encode_images
-from unirl_pl.rewards.server import RewardHTTPServer, serve
+from unirl_pl.rewards.server import RewardServer, serve
 from unirl_pl.rewards.server import main as server_main
 
-FAST = {"timeout_s": 10.0, "max_retries": 1, "backoff_s": 0.01}
 HERE = "tests.test_rewards_server"
+SERVED = "tests.served_rewards"  # the rewards served by dotted path
+# Generous: the reward runs in another process on a loaded machine; no test waits for this to pass.
+GOOD_TIMEOUT_S = 30.0
 
 
 def _images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
@@ -44,70 +56,83 @@ def _images(n: int, seed: int = 0, size: int = 32) -> torch.Tensor:
     return torch.randint(0, 256, (n, 3, size, size), generator=g).float() / 255
 
 
-def test_concurrent_requests_are_scored_in_one_call_and_split_back():
-    server = serve("brightness", max_batch_size=64, batch_wait_s=0.5)
-    try:
-        client = HTTPReward(server.url, **FAST)
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> Iterator[tuple[RewardServer, Path]]:
+    """A :class:`Recorded` server batching for 0.5 s (max 4 samples a call), and its log, emptied per test."""
+    log = tmp_path_factory.mktemp("recorded") / "calls.jsonl"
+    log.touch()
+    server = serve(f"{SERVED}.Recorded", reward_args={"log": str(log)}, max_batch_size=4, batch_wait_s=0.5)
+    yield server, log
+    server.close()
+
+
+def _together(
+    send: Callable[[], Any], log: Path, batched: Callable[[dict[str, Any]], bool], attempts: int = 3
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Run ``send`` (requests sent at one moment) until a reward call was ``batched`` (held two of them): LitServe's
+    batch window is a cycle of its worker, not opened by a request, so one can end between two requests sent
+    together (rarely). Returns what ``send`` returned and the reward calls of that attempt."""
+    calls: list[dict[str, Any]] = []
+    for _ in range(attempts):
+        log.write_text("")
+        result = send()
+        calls = read_calls(log)
+        if any(map(batched, calls)):
+            return result, calls
+    raise AssertionError(f"no two requests were batched in {attempts} attempts: {calls}")
+
+
+def test_concurrent_requests_are_scored_in_one_call_and_split_back(recorded):
+    server, log = recorded
+    client = HTTPReward(server.url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)
+    batches = {i: _images(2, seed=i, size=8) for i in range(2)}
+
+    def send() -> dict[int, list[float]]:
         results: dict[int, list[float]] = {}
-        batches = {i: _images(2, seed=i, size=8) for i in range(4)}
-
-        def call(i: int) -> None:
-            results[i] = client([f"p{i}"] * 2, [f"r{i}"] * 2, batches[i])
-
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+        threads = [
+            threading.Thread(target=lambda i=i: results.__setitem__(i, client([f"q{i}"] * 2, ["r"] * 2, batches[i])))
+            for i in range(2)
+        ]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(timeout=20)
-        for i in range(4):
-            assert results[i] == pytest.approx(Brightness()([""] * 2, [""] * 2, batches[i]), abs=1e-6)
-        calls = server.batcher.calls  # samples per reward call
-        assert sum(calls) == 8 and len(calls) < 4, calls
-    finally:
-        server.close()
+            t.join(timeout=60)
+        return results
+
+    results, calls = _together(send, log, lambda call: len(set(call["prompts"])) > 1)
+    for i in range(2):
+        assert results[i] == pytest.approx(Brightness()([""] * 2, [""] * 2, batches[i]), abs=1e-6)
+    assert [sorted(call["prompts"]) for call in calls] == [["q0", "q0", "q1", "q1"]], calls
 
 
-def test_the_batcher_keeps_image_sizes_apart_and_respects_the_batch_limit():
-    sizes: list[tuple[int, int]] = []
+def test_the_batches_keep_image_sizes_apart_and_respect_the_batch_limit(recorded):
+    server, log = recorded  # at most 4 samples a call
+    jobs = {"q0": (3, 8), "q1": (1, 8), "q2": (2, 16), "q3": (2, 8)}
 
-    def reward(prompts, refined, images):
-        sizes.append((len(prompts), images.shape[-1]))
-        return images.mean(dim=(1, 2, 3)).tolist()
+    def send() -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
 
-    batcher = RequestBatcher(reward, "r", max_size=4, wait_s=0.3)
-    try:
-        jobs = [(3, 8), (1, 8), (2, 16), (2, 8)]
-        out: dict[int, tuple] = {}
-        threads = []
-        for i, (n, size) in enumerate(jobs):
-            t = threading.Thread(
-                target=lambda i=i, n=n, s=size: out.__setitem__(
-                    i, batcher.score(["p"] * n, ["r"] * n, _images(n, i, s))
-                )
+        def one(name: str, n: int, size: int) -> None:
+            out[name] = HTTPReward(server.url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(
+                [name] * n, ["r"] * n, _images(n, int(name[1]), size)
             )
-            threads.append(t)
-            t.start()
-            t.join(timeout=0.05)  # arrive in order, within one batch window
+
+        threads = [threading.Thread(target=one, args=(name, n, size)) for name, (n, size) in jobs.items()]
         for t in threads:
-            t.join(timeout=10)
-        assert all(out[i][1] is None and len(out[i][0]) == n for i, (n, _) in enumerate(jobs))
-        assert all(n <= 4 for n, _ in sizes) and sum(n for n, _ in sizes) == 8
-        assert all(len({s}) == 1 for _, s in sizes)
-        assert (3 + 1, 8) in sizes, "the first two requests (same size, 4 samples) were scored together"
-    finally:
-        batcher.close()
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return out
 
-
-def test_a_failing_reward_fails_its_request():
-    def broken(prompts, refined, images):
-        raise RuntimeError("out of memory")
-
-    batcher = RequestBatcher(broken, "broken", wait_s=0.0)
-    try:
-        scores, error = batcher.score(["p"], ["r"], _images(1, size=8))
-        assert scores is None and "reward 'broken' failed: RuntimeError: out of memory" in error
-    finally:
-        batcher.close()
+    out, calls = _together(send, log, lambda call: len(set(call["prompts"])) > 1)
+    assert {name: len(scores) for name, scores in out.items()} == {name: n for name, (n, _) in jobs.items()}
+    for call in calls:
+        names = set(call["prompts"])
+        assert all(jobs[name][1] == call["size"] for name in names), f"one image size per call: {call}"
+        assert len(call["prompts"]) <= 4 or len(names) == 1, f"over the limit of 4 samples: {call}"
+        assert all(call["prompts"].count(name) == jobs[name][0] for name in names), f"a request split: {call}"
+    scored = sorted(name for call in calls for name in set(call["prompts"]))
+    assert scored == sorted(jobs), f"every request scored once: {calls}"
 
 
 @pytest.mark.parametrize(
@@ -115,55 +140,116 @@ def test_a_failing_reward_fails_its_request():
     [
         (["--reward", "brightness", "--reward-args", "{channel: 0"], "--reward-args is not JSON"),
         (["--reward", "brightness", "--reward-args", "[0]"], "--reward-args must be a JSON object"),
-        (["--reward", "no_such_reward"], "unknown reward 'no_such_reward'"),
-        (["--reward", "brightness", "--reward-args", '{"colour": 0}'], "bad reward_args"),
-        (["--reward", "brightness", "--reward-args", '{"channel": 7}'], "channel must be 0, 1, 2 or None"),
         (["--reward", "brightness", "--read-timeout-s", "0"], "read_timeout_s > 0"),
+        (["--reward", "brightness", "--max-batch", "0"], "max_batch_size >= 1"),
+        (["--reward", "brightness", "--host", "10.0.0.1"], "host must be one of 127.0.0.1, 0.0.0.0, ::"),
+        # These reach LitServe's worker, which builds the reward (a worker process each: slow).
+        pytest.param(["--reward", "no_such_reward"], "unknown reward 'no_such_reward'", marks=pytest.mark.slow),
+        pytest.param(
+            ["--reward", "brightness", "--reward-args", '{"colour": 0}'], "bad reward_args", marks=pytest.mark.slow
+        ),
+        pytest.param(
+            ["--reward", "brightness", "--reward-args", '{"channel": 7}'],
+            "channel must be 0, 1, 2 or None",
+            marks=pytest.mark.slow,
+        ),
     ],
 )
 def test_the_command_line_refuses_a_bad_start_in_one_line(capsys, argv: list[str], expected: str):
     with pytest.raises(SystemExit) as exit_:
-        server_main(argv)
+        server_main(["--port", "0", *argv])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     assert expected in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_the_command_line_refuses_to_start_without_the_serve_extra(capsys, monkeypatch):
+    # litserve not installed: its import fails, as it would in an environment without the extra.
+    monkeypatch.setitem(sys.modules, "litserve", None)
+    for part in ("server_front", "server_worker"):
+        monkeypatch.delitem(sys.modules, f"unirl_pl.rewards.{part}", raising=False)
+        monkeypatch.delattr(unirl_pl.rewards, part, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        server_main(["--reward", "brightness"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "needs the 'litserve' package" in err and "pip install 'unirl_pl[serve]'" in err, err
 
 
 def test_the_command_line_names_every_limit(capsys):
     with pytest.raises(SystemExit):
         server_main(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--max-body-mb", "--read-timeout-s", "--max-image-pixels", "--max-request-pixels"):
+    for flag in ("--max-body-mb", "--read-timeout-s", "--max-image-pixels", "--max-request-pixels", "--max-batch"):
         assert flag in out
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:  # a port that was just free
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _line(stream: Any, timeout_s: float) -> bytes:
+    """The first line of ``stream`` (a pipe), or what arrived before ``timeout_s`` passed or it closed."""
+    got = b""
+    deadline = time.monotonic() + timeout_s
+    while not got.endswith(b"\n") and select.select([stream], [], [], max(deadline - time.monotonic(), 0))[0]:
+        byte = stream.read(1)
+        if not byte:
+            break
+        got += byte
+    return got
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("reward", "reward_args"), [("brightness", "{}"), (f"{SERVED}.mean_brightness", "{}")], ids=["registered", "dotted"]
+)
+def test_serve_reward_serves_a_registered_and_a_dotted_path_reward(reward: str, reward_args: str):
+    port = _free_port()
+    cmd = [sys.executable, "-m", "unirl_pl", "serve-reward", "--reward", reward, "--reward-args", reward_args]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        line = _line(proc.stdout, timeout_s=300).decode()  # printed once GET /health answers
+        if line.strip() != f"serving reward {reward!r} at {url} (GET {url}health)":
+            proc.kill()
+            pytest.fail(f"no serving line: {line!r}; stderr: {proc.communicate(timeout=60)[1].decode()[-3000:]}")
+        images = _images(3, seed=5, size=16)
+        scores = HTTPReward(url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(["a"] * 3, ["b"] * 3, images)
+        assert scores == pytest.approx(Brightness()([""] * 3, [""] * 3, images), abs=1e-6)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # stops as Ctrl-C does: the worker and LitServe's processes too
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing listens any more
 
 
 # ------------------------------------------------------------------ refused requests
 # Each test sends one faulty request over a raw socket while a good request runs on another thread; the
 # fault must get its status and a JSON error on a connection the server then closes, and the good
-# request its right scores. The limits are small so that no test waits long.
+# request its right scores. The limits are small so that no test needs large requests; the read timeout is
+# seconds, so that a healthy request never comes near it on a loaded machine.
+READ_TIMEOUT_S = 3.0
 LIMITS = {
     "max_body_bytes": 200_000,
-    "read_timeout_s": 0.5,
+    "read_timeout_s": READ_TIMEOUT_S,
     "max_image_pixels": 32 * 32,
     "max_total_pixels": 16 * 16 * 8,
 }
 
 
-@pytest.fixture
-def start_server() -> Iterator[Callable[..., RewardHTTPServer]]:
-    """Factory: a running RewardHTTPServer on a free loopback port, with ``LIMITS`` unless given."""
-    servers: list[RewardHTTPServer] = []
-
-    def start(reward: Any = None, name: str = "brightness", **kwargs: Any) -> RewardHTTPServer:
-        server = RewardHTTPServer(("127.0.0.1", 0), reward or Brightness(), name, **{**LIMITS, **kwargs})
-        server.thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-        server.thread.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.close()
+@pytest.fixture(scope="module")
+def limited() -> Iterator[RewardServer]:
+    """A brightness server with ``LIMITS``."""
+    server = serve("brightness", **LIMITS)
+    yield server
+    server.close()
 
 
 def _address(url: str) -> tuple[str, int]:
@@ -172,7 +258,7 @@ def _address(url: str) -> tuple[str, int]:
 
 
 def _exchange(
-    url: str, data: bytes, drip: bytes = b"", drip_every_s: float = 0.2, timeout: float = 5.0
+    url: str, data: bytes, drip: bytes = b"", drip_every_s: float = 0.2, timeout: float = 20.0
 ) -> tuple[int, dict[str, str], Any, float]:
     """Send ``data`` (then ``drip`` one byte at a time) and read the reply until the server closes the
     connection: (status, headers, the body as JSON, seconds until the connection closed). A server that
@@ -246,14 +332,14 @@ GOOD = _images(2, seed=7, size=16)
 
 def _alongside_good_request(url: str, fault: Callable[[], Any]) -> Any:
     """Run ``fault`` while a good request is sent from another thread at the same moment; check the good
-    one got the right scores, and return what ``fault`` returned."""
-    both = threading.Barrier(2, timeout=5)
+    one got the right scores, and return what ``fault`` returned and when the good one was answered."""
+    both = threading.Barrier(2, timeout=10)
     out: dict[str, Any] = {}
 
     def good() -> None:
         both.wait()
         try:
-            out["scores"] = HTTPReward(url, timeout_s=5.0, max_retries=0)(["a", "b"], ["a", "b"], GOOD)
+            out["scores"] = HTTPReward(url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(["a", "b"], ["a", "b"], GOOD)
         except Exception as err:  # reported by the assertion below
             out["error"] = err
         out["at"] = time.monotonic()
@@ -262,7 +348,7 @@ def _alongside_good_request(url: str, fault: Callable[[], Any]) -> Any:
     thread.start()
     both.wait()
     result = fault()
-    thread.join(timeout=10)
+    thread.join(timeout=GOOD_TIMEOUT_S + 10)
     assert "error" not in out, out.get("error")
     assert out["scores"] == pytest.approx(Brightness()(["a", "b"], ["a", "b"], GOOD), abs=1e-6)
     return result, out["at"]
@@ -279,49 +365,44 @@ def _refused(url: str, data: bytes, status: int, expected: str, **kwargs: Any) -
 
 
 @pytest.mark.parametrize("fmt", ["BMP", "GIF", "TIFF"])
-def test_only_png_and_jpeg_are_decoded(start_server, fmt: str):
-    server = start_server()
-    _refused(server.url, _post_bytes(_request([_pil(fmt)])), 400, "images[0]: not a PNG or JPEG image")
+def test_only_png_and_jpeg_are_decoded(limited, fmt: str):
+    _refused(limited.url, _post_bytes(_request([_pil(fmt)])), 400, "images[0]: not a PNG or JPEG image")
 
 
-def test_png_and_jpeg_are_decoded(start_server):
-    server = start_server()
+def test_png_and_jpeg_are_decoded(limited):
     for fmt in ("png", "jpeg"):
-        client = HTTPReward(server.url, timeout_s=5.0, max_retries=0, image_format=fmt)
+        client = HTTPReward(limited.url, timeout_s=GOOD_TIMEOUT_S, max_retries=0, image_format=fmt)
         assert len(client(["a", "b"], ["a", "b"], GOOD)) == 2
 
 
-def test_a_decompression_bomb_is_refused_before_decoding(start_server):
-    server = start_server()
+def test_a_decompression_bomb_is_refused_before_decoding(limited):
     # 400 M pixels of zeros, the first rows' worth compressed: over PIL's own limit, which Image.open raises.
     bomb = _png_header(20000, 20000, zlib.compress(b"\0" * 20001 * 100))
-    _refused(server.url, _post_bytes(_request([bomb])), 413, "image too large")
+    _refused(limited.url, _post_bytes(_request([bomb])), 413, "image too large")
 
 
-def test_an_image_over_the_pixel_limit_is_refused_from_its_header(start_server):
-    server = start_server()  # max_image_pixels 32 x 32
-    # 40 x 40 whose data is broken: decoding it would fail (400), so a 413 means the header was checked first.
-    body, _ = _refused(server.url, _post_bytes(_request([_png_header(40, 40)])), 413, "40x40")
+def test_an_image_over_the_pixel_limit_is_refused_from_its_header(limited):
+    # max_image_pixels 32 x 32. 40 x 40 whose data is broken: decoding it would fail (400), so a 413 means the
+    # header was checked first.
+    body, _ = _refused(limited.url, _post_bytes(_request([_png_header(40, 40)])), 413, "40x40")
     assert "1024 pixels per image" in body["error"]
 
 
-def test_a_request_over_the_total_pixel_limit_is_refused(start_server):
-    server = start_server()  # max_total_pixels: 8 images of 16 x 16
-    images = encode_images(_images(9, seed=1, size=16))
-    _refused(server.url, _post_bytes(_request(images)), 413, "pixels in all")
+def test_a_request_over_the_total_pixel_limit_is_refused(limited):
+    images = encode_images(_images(9, seed=1, size=16))  # max_total_pixels: 8 images of 16 x 16
+    _refused(limited.url, _post_bytes(_request(images)), 413, "pixels in all")
 
 
-def test_a_body_over_the_size_limit_is_refused_unread(start_server):
-    server = start_server()
+def test_a_body_over_the_size_limit_is_refused_unread(limited):
     # Only the headers are sent: a server that waited for the body would answer 408, not 413.
     data = _post_bytes(b"", length=LIMITS["max_body_bytes"] + 1)
-    _refused(server.url, data, 413, f"over the limit of {LIMITS['max_body_bytes']} bytes")
+    _, elapsed = _refused(limited.url, data, 413, f"over the limit of {LIMITS['max_body_bytes']} bytes")
+    assert elapsed < READ_TIMEOUT_S
 
 
-def test_a_body_over_the_size_limit_is_refused_before_100_continue(start_server):
-    server = start_server()
+def test_a_body_over_the_size_limit_is_refused_before_100_continue(limited):
     data = _post_bytes(b"", "Expect: 100-continue\r\n", length=LIMITS["max_body_bytes"] + 1)
-    _refused(server.url, data, 413, "over the limit")  # the first status line read is the 413, not a 100
+    _refused(limited.url, data, 413, "over the limit")  # the first status line read is the 413, not a 100
 
 
 @pytest.mark.parametrize(
@@ -329,67 +410,70 @@ def test_a_body_over_the_size_limit_is_refused_before_100_continue(start_server)
     [
         ("", "", 411, "a Content-Length header is required"),
         ("Transfer-Encoding: chunked\r\n", "", 411, "chunked request bodies are not accepted"),
-        ("Content-Length: 7\r\n", None, 400, "bad Content-Length '2, 7'"),
-        ("", "2x", 400, "bad Content-Length '2x'"),
+        # Refused by the HTTP parser (h11) before the request exists; the reply is JSON all the same.
+        ("Content-Length: 7\r\n", None, 400, "bad request syntax: conflicting Content-Length headers"),
+        ("", "2x", 400, "bad request syntax: bad Content-Length"),
     ],
 )
-def test_a_missing_or_bad_length_is_refused(start_server, extra: str, length: str | None, status: int, expected: str):
-    server = start_server()
-    _refused(server.url, _post_bytes(b"{}", extra, length), status, expected)
+def test_a_missing_or_bad_length_is_refused(limited, extra: str, length: str | None, status: int, expected: str):
+    _refused(limited.url, _post_bytes(b"{}", extra, length), status, expected)
 
 
-def test_a_body_that_does_not_arrive_in_time_is_refused(start_server):
-    server = start_server()  # read_timeout_s 0.5
-    _, elapsed = _refused(server.url, _post_bytes(b"[1", length=1000), 408, "within 0.5 s (2 of 1000 bytes)")
-    assert elapsed < 3
+@pytest.mark.slow
+def test_a_body_that_does_not_arrive_in_time_is_refused(limited):
+    # Two bytes of 1000, then nothing: the deadline answers, not the client.
+    data = _post_bytes(b"[1", length=1000)
+    _, elapsed = _refused(limited.url, data, 408, f"within {READ_TIMEOUT_S:g} s (2 of 1000 bytes)")
+    assert READ_TIMEOUT_S - 0.5 < elapsed < 3 * READ_TIMEOUT_S
 
 
-def test_a_trickled_body_is_held_to_one_deadline(start_server):
-    server = start_server()  # read_timeout_s 0.5; a byte every 0.2 s for 6 s never idles a read that long
+@pytest.mark.slow
+def test_a_trickled_body_is_held_to_one_deadline(limited):
+    # A byte every 1.2 s for 19 s never idles a read for the 3 s deadline: only one deadline for the whole body
+    # ends it. (The deadline falls midway between two bytes: none arrives as the server closes.)
     data = _post_bytes(b"[", length=100)
-    _, elapsed = _refused(server.url, data, 408, "within 0.5 s", drip=b"1," * 15)
-    assert elapsed < 3
+    _, elapsed = _refused(limited.url, data, 408, f"within {READ_TIMEOUT_S:g} s", drip=b"1," * 8, drip_every_s=1.2)
+    assert elapsed < 2.5 * READ_TIMEOUT_S
 
 
-def test_the_last_read_gets_only_what_is_left_of_the_deadline(start_server):
-    server = start_server(read_timeout_s=1.0)
-    # Bytes until 0.8 s, then nothing: the deadline answers at 1 s; a read given the full timeout would
-    # wait until 1.8 s.
+@pytest.mark.slow
+def test_the_last_read_gets_only_what_is_left_of_the_deadline(limited):
+    # Bytes until 2.4 s, then nothing: the 3 s deadline answers at 3 s; a read given the full timeout would
+    # wait until 5.4 s.
     data = _post_bytes(b"[", length=100)
-    _, elapsed = _refused(server.url, data, 408, "within 1 s", drip=b"1," * 4, drip_every_s=0.1)
-    assert elapsed < 1.5
+    _, elapsed = _refused(limited.url, data, 408, f"within {READ_TIMEOUT_S:g} s", drip=b"1," * 2, drip_every_s=0.6)
+    assert elapsed < READ_TIMEOUT_S + 1.2
 
 
-def test_a_good_request_is_answered_while_a_body_is_stalled(start_server):
-    server = start_server(read_timeout_s=1.5)
-
+@pytest.mark.slow
+def test_a_good_request_is_answered_while_a_body_is_stalled(limited):
     def stalled() -> tuple[int, float]:
-        return _exchange(server.url, _post_bytes(b"[1", length=1000))[0], time.monotonic()
+        return _exchange(limited.url, _post_bytes(b"[1", length=1000))[0], time.monotonic()
 
-    (status, stall_ended), good_at = _alongside_good_request(server.url, stalled)
-    # The stalled request holds only its own thread: the good one is scored long before the stall ends.
-    assert status == 408 and good_at < stall_ended - 0.5
+    (status, stall_ended), good_at = _alongside_good_request(limited.url, stalled)
+    # The stalled request holds nothing the good one needs: the good one is scored long before the stall ends.
+    assert status == 408 and good_at < stall_ended - 1.0
 
 
-def test_an_idle_connection_is_dropped(start_server):
-    server = start_server()  # read_timeout_s 0.5: the request line never comes
-    with socket.create_connection(_address(server.url), timeout=5) as sock:
+@pytest.mark.slow
+def test_an_idle_connection_is_dropped(limited):
+    with socket.create_connection(_address(limited.url), timeout=4 * READ_TIMEOUT_S) as sock:  # no request line
         start = time.monotonic()
         assert sock.recv(100) == b""
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 2 * READ_TIMEOUT_S
 
 
-def _slowloris(url: str, drip_every_s: float = 0.1) -> tuple[bytes, float, float]:
+def _slowloris(url: str, drip_every_s: float = 0.2) -> tuple[bytes, float, float]:
     """Send a request line, then a header a byte at a time, each byte well within the read timeout, until the
     server hangs up: (what came back, seconds until then, when). A server that waits for the whole head holds
-    the connection past the drip and fails the test by the socket timeout."""
-    with socket.create_connection(_address(url), timeout=8) as sock:
+    the connection past the socket timeout and fails the test."""
+    with socket.create_connection(_address(url), timeout=4 * READ_TIMEOUT_S) as sock:
         start = time.monotonic()
         sock.sendall(b"POST / HTTP/1.1\r\n")
         stop = threading.Event()
 
         def drip() -> None:
-            for byte in b"X-Slow: " + b"a" * 100:  # 10 s of bytes: longer than the socket timeout
+            for byte in b"X-Slow: " + b"a" * 100:  # 20 s of bytes: longer than the socket timeout
                 if stop.wait(drip_every_s):
                     return
                 try:
@@ -408,25 +492,26 @@ def _slowloris(url: str, drip_every_s: float = 0.1) -> tuple[bytes, float, float
         return got, time.monotonic() - start, time.monotonic()
 
 
-def test_a_request_head_sent_a_byte_at_a_time_is_held_to_one_deadline(start_server):
-    server = start_server()  # read_timeout_s 0.5; a byte every 0.1 s never idles a read that long
-    got, elapsed, _ = _slowloris(server.url)
-    assert got == b"" and 0.4 < elapsed < 3.0  # the drip alone would take 10 s
+@pytest.mark.slow
+def test_a_request_head_sent_a_byte_at_a_time_is_held_to_one_deadline(limited):
+    got, elapsed, _ = _slowloris(limited.url)  # a byte every 0.2 s never idles a read for 3 s
+    assert got == b"" and READ_TIMEOUT_S - 0.5 < elapsed < 2 * READ_TIMEOUT_S  # the drip alone would take 20 s
 
 
-def test_a_good_request_is_answered_while_a_head_trickles_in(start_server):
-    server = start_server(read_timeout_s=1.5)
-    (got, elapsed, dropped_at), good_at = _alongside_good_request(server.url, lambda: _slowloris(server.url))
-    # The trickling client holds only its own thread: the good one is scored long before it is dropped.
-    assert got == b"" and elapsed < 4.0 and good_at < dropped_at - 0.5
+@pytest.mark.slow
+def test_a_good_request_is_answered_while_a_head_trickles_in(limited):
+    (got, elapsed, dropped_at), good_at = _alongside_good_request(limited.url, lambda: _slowloris(limited.url))
+    # The trickling client holds nothing the good one needs: the good one is scored long before it is dropped.
+    assert got == b"" and elapsed < 2 * READ_TIMEOUT_S and good_at < dropped_at - 1.0
 
 
-def test_each_request_on_a_kept_connection_gets_its_own_head_deadline(start_server):
-    server = start_server(read_timeout_s=1.0)  # three requests 0.4 s apart outlast one deadline
-    with socket.create_connection(_address(server.url), timeout=4) as sock:
+@pytest.mark.slow
+def test_each_request_on_a_kept_connection_gets_its_own_head_deadline(limited):
+    # Three requests 1.2 s apart outlast one 3 s deadline; each head is within its own.
+    with socket.create_connection(_address(limited.url), timeout=4 * READ_TIMEOUT_S) as sock:
         reader = sock.makefile("rb")
         for _ in range(3):
-            time.sleep(0.4)
+            time.sleep(0.4 * READ_TIMEOUT_S)
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             assert reader.readline().split()[1] == b"200"
             head = list(iter(reader.readline, b"\r\n"))
@@ -434,22 +519,22 @@ def test_each_request_on_a_kept_connection_gets_its_own_head_deadline(start_serv
             assert json.loads(reader.read(length))["status"] == "ok"
 
 
-def test_the_body_gets_its_own_deadline_after_the_head(start_server):
-    server = start_server(read_timeout_s=2.0)
+@pytest.mark.slow
+def test_the_body_gets_its_own_deadline_after_the_head(limited):
     data = _post_bytes(_request(encode_images(GOOD)), "Connection: close\r\n")
     head_end = data.index(b"\r\n\r\n") + 4
-    # The head takes 1.2 s and the body 1.2 s more: each within its own 2 s, not both within one.
-    with socket.create_connection(_address(server.url), timeout=6) as sock:
-        for lo, hi, pause in ((0, 20, 1.2), (20, head_end, 1.2), (head_end, len(data), 0.0)):
+    # The head takes 1.8 s and the body 1.8 s more: each within its own 3 s, not both within one.
+    pause = 0.6 * READ_TIMEOUT_S
+    with socket.create_connection(_address(limited.url), timeout=4 * READ_TIMEOUT_S) as sock:
+        for lo, hi, wait in ((0, 20, pause), (20, head_end, pause), (head_end, len(data), 0.0)):
             sock.sendall(data[lo:hi])
-            time.sleep(pause)
+            time.sleep(wait)
         raw = b"".join(iter(lambda: sock.recv(65536), b""))
     assert raw.startswith(b"HTTP/1.1 200 "), raw[:300]
 
 
-def test_deeply_nested_json_is_a_bad_request(start_server):
-    server = start_server()
-    _refused(server.url, _post_bytes(b"[" * 100_000), 400, "nested too deeply")
+def test_deeply_nested_json_is_a_bad_request(limited):
+    _refused(limited.url, _post_bytes(b"[" * 100_000), 400, "nested too deeply")
 
 
 @pytest.mark.parametrize(
@@ -462,52 +547,47 @@ def test_deeply_nested_json_is_a_bad_request(start_server):
         (_request([_pil("PNG")], refined="r"), "'refined_prompts' must be a list of strings"),
         (_request([_pil("PNG")], prompts=[None]), "'prompts' must be a list of strings"),
         (_request([_pil("PNG")] * 2, prompts=["a"]), "1 prompts, 2 refined prompts and 2 images differ"),
+        (_request([]), "'images' must be a non-empty list"),
         (_request(["!!!"]), "images[0]: not a base64-encoded image"),
         (_request([_png_header(8, 8)]), "images[0]: cannot decode the image"),
     ],
 )
-def test_a_malformed_request_is_a_bad_request(start_server, body: bytes, expected: str):
-    server = start_server()
-    _refused(server.url, _post_bytes(body), 400, expected)
+def test_a_malformed_request_is_a_bad_request(limited, body: bytes, expected: str):
+    _refused(limited.url, _post_bytes(body), 400, expected)
 
 
 @pytest.mark.parametrize(
     ("data", "status", "expected"),
     [
         (b"PUT / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 501, "Unsupported method ('PUT')"),
-        (b"GARBAGE\r\n\r\n", 400, "Bad request syntax"),
+        (b"GARBAGE\r\n\r\n", 400, "bad request syntax"),
         (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", 404, "unknown path '/nowhere'"),
+        (b"GET /docs HTTP/1.1\r\nHost: x\r\n\r\n", 404, "unknown path '/docs'"),  # LitServe's own pages are not served
     ],
 )
-def test_the_server_s_own_errors_are_json(start_server, data: bytes, status: int, expected: str):
-    server = start_server()
-    _refused(server.url, data, status, expected)
-
-
-def _poisoned(prompts: list[str], refined: list[str], images: torch.Tensor) -> list[float]:
-    """Brightness, except that the prompt "raise" makes the call raise and "nan" scores NaN."""
-    if "raise" in prompts:
-        raise RuntimeError("poisoned prompt")
-    scores = images.mean(dim=(1, 2, 3)).tolist()
-    return [math.nan if p == "nan" else s for p, s in zip(prompts, scores, strict=True)]
+def test_the_server_s_own_errors_are_json(limited, data: bytes, status: int, expected: str):
+    _refused(limited.url, data, status, expected)
 
 
 @pytest.mark.parametrize(("poison", "expected"), [("raise", "RuntimeError: poisoned prompt"), ("nan", "nan")])
-def test_one_bad_request_does_not_fail_its_batch_mates(start_server, poison: str, expected: str):
-    # A long batch window: the good request and the poisoned one are scored in one call first.
-    server = start_server(_poisoned, "poisoned", batch_wait_s=0.3)
+def test_one_bad_request_does_not_fail_its_batch_mates(recorded, poison: str, expected: str):
+    server, log = recorded  # batching for 0.5 s: the good request and the poisoned one are scored in one call first
     data = _post_bytes(_request(encode_images(_images(1, seed=3, size=16)), prompts=[poison], refined=["r"]))
-    body, _ = _refused(server.url, data, 500, expected)
-    assert "reward 'poisoned'" in body["error"]
-    assert server.batcher.calls[0] == 3 and sorted(server.batcher.calls[1:]) == [1, 2], server.batcher.calls
+    (body, _), calls = _together(
+        lambda: _refused(server.url, data, 500, expected), log, lambda call: len(call["prompts"]) == 3
+    )
+    assert f"reward '{SERVED}.Recorded'" in body["error"]
+    sizes = [len(call["prompts"]) for call in calls]
+    assert sizes[0] == 3 and sorted(sizes[1:]) == [1, 2], calls  # together, then each alone
 
 
-def test_a_batch_that_fails_alone_fails_once(start_server):
-    server = start_server(_poisoned, "poisoned")
+def test_a_batch_that_fails_alone_fails_once(recorded):
+    server, log = recorded
+    log.write_text("")
     data = _post_bytes(_request(encode_images(_images(1, size=16)), prompts=["raise"], refined=["r"]))
     status, _, body, _ = _exchange(server.url, data)
     assert status == 500 and "poisoned prompt" in body["error"]
-    assert server.batcher.calls == [1]  # one request alone is not scored twice
+    assert [len(call["prompts"]) for call in read_calls(log)] == [1]  # one request alone is not scored twice
 
 
 @pytest.fixture(scope="module")
@@ -521,13 +601,14 @@ def clip_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_served_pickscore_equals_pickscore_in_process(clip_dir):
     args = {"pretrained_path": clip_dir, "processor_path": clip_dir}
     images = torch.rand(5, 3, 32, 32, generator=torch.Generator().manual_seed(3))
     local = PickScore(**args)(PROMPTS, PROMPTS, images)
     server = serve("pickscore", reward_args=args)
     try:
-        served = HTTPReward(server.url, batch_size=5, **FAST)(PROMPTS, PROMPTS, images)
+        served = HTTPReward(server.url, batch_size=5, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(PROMPTS, PROMPTS, images)
     finally:
         server.close()
     assert max(abs(a - b) for a, b in zip(served, local, strict=True)) <= 1e-6
@@ -588,12 +669,14 @@ def test_a_two_step_fit_gets_the_same_rewards_from_the_server_as_in_process(tmp_
     args = f'{{"pretrained_path": "{clip_dir}", "processor_path": "{clip_dir}", "batch_size": 2}}'
     local = _fit(tmp_path, pipeline, "{pickscore: 1.0}", f"{{pickscore: {args}}}", "local")
     reward_args = {"pretrained_path": clip_dir, "processor_path": clip_dir, "batch_size": 2}
-    server = serve("pickscore", reward_args=reward_args)
+    log = tmp_path / "calls.jsonl"
+    counted = {"log": str(log), "reward": "pickscore", "reward_args": reward_args}
+    server = serve(f"{SERVED}.Counted", reward_args=counted)
     try:
         # batch_size 2 < 4 images a step: the first request is in flight while the second half decodes.
         http = f'{{http: {{url: "{server.url}", batch_size: 2, timeout_s: 30}}}}'
         served = _fit(tmp_path, pipeline, "{http: 1.0}", http, "served")
-        assert sum(server.batcher.calls) == 2 * 4, "every image of both steps went through the server"
+        assert sum(call["n"] for call in read_calls(log)) == 2 * 4, "every image of both steps went through the server"
     finally:
         server.close()
     assert len(local) == len(served) == 2

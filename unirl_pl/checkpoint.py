@@ -26,6 +26,9 @@ import torch
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from unirl_pl.errors import InputError
+from unirl_pl.identity import check_identity, run_identity, saved_ema_identity
+
 TRIMMED_KEY = "unirl_trimmed_keys"
 IDENTITY_KEY = "unirl_run_identity"
 
@@ -263,69 +266,6 @@ def refill_trimmed(checkpoint: dict[str, Any], module: torch.nn.Module) -> None:
     checkpoint["state_dict"] = {**{k: current[k] for k in dropped}, **checkpoint["state_dict"]}
 
 
-def run_identity(module: Any) -> dict[str, Any]:
-    """What a resumed run must share with the run that wrote the checkpoint, as a flat dict of plain values.
-
-    Keys: ``mode``, ``trained`` (the trained experts), ``<expert>.finetune``, ``<expert>.lora_rank`` / ``.lora_alpha`` /
-    ``.lora_targets`` for every expert present (a frozen expert's adapter is in the checkpoint too),
-    ``<expert>.optimizer`` and ``<expert>.lr`` for every trained expert, and ``data.seed`` when a
-    datamodule with a ``seed`` is attached. Optimizers are read by building each expert's optimizer
-    on a dummy parameter, which works before ``configure_optimizers`` has run (as in ``on_load_checkpoint``).
-    Call it once the experts exist (after ``configure_model``, as in both checkpoint hooks): a
-    signature default that jsonargparse has not initialized yet has no LoRA settings to read.
-    """
-    identity: dict[str, Any] = {"mode": module.mode, "trained": list(module.trained)}
-    for name, expert in module.experts().items():
-        # A full fine-tune's checkpoint holds whole models, a LoRA run's adapters: neither resumes as the other.
-        identity[f"{name}.finetune"] = str(getattr(expert, "finetune", "lora"))
-        for key in ("lora_rank", "lora_alpha"):
-            value = getattr(expert, key, None)
-            if value is not None:
-                identity[f"{name}.{key}"] = float(value) if key == "lora_alpha" else int(value)
-        targets = getattr(expert, "lora_target_modules", None)
-        if targets is not None:
-            identity[f"{name}.lora_targets"] = sorted(str(t) for t in targets)
-    for name in module.trained:
-        factory = module.optimizer_factories.get(name)
-        if factory is None:
-            continue
-        probe = factory([torch.nn.Parameter(torch.zeros(1))])
-        identity[f"{name}.optimizer"] = f"{type(probe).__module__}.{type(probe).__qualname__}"
-        lr = probe.defaults.get("lr")
-        if lr is not None:
-            identity[f"{name}.lr"] = float(lr)
-    trainer = getattr(module, "_trainer", None)
-    seed = getattr(getattr(trainer, "datamodule", None), "seed", None)
-    if isinstance(seed, int):
-        identity["data.seed"] = seed
-    return identity
-
-
-def check_identity(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Raise ``ValueError`` listing every key whose value differs between ``saved`` and ``current``.
-
-    A key present on one side only counts as changed (``<absent>`` on the other), except ``data.seed``
-    missing from ``current`` (no datamodule attached, as in ``python -m unirl_pl.export``). The message shows
-    ``key: checkpoint=<old> now=<new>`` per line, so a resume with a changed recipe stops before it trains.
-    """
-    missing = "<absent>"
-    # Checkpoints from before full fine-tuning existed record no ``<expert>.finetune``: they trained LoRA.
-    saved = {**{key: "lora" for key in current if key.endswith(".finetune")}, **saved}
-    keys = set(saved) | set(current)
-    if "data.seed" not in current:
-        keys.discard("data.seed")  # no datamodule attached (e.g. export): nothing to compare against
-    changed = [
-        f"  {key}: checkpoint={saved.get(key, missing)!r} now={current.get(key, missing)!r}"
-        for key in sorted(keys)
-        if saved.get(key, missing) != current.get(key, missing)
-    ]
-    if changed:
-        raise ValueError(
-            "the checkpoint was written by a differently configured run; resuming would silently train "
-            "something else. Changed settings:\n" + "\n".join(changed)
-        )
-
-
 def save_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
     """What a resume needs beyond Lightning's state: weight versions, skipped steps, the run identity, RNG
     states and each algorithm's state; the frozen base weights are trimmed (``configure_model`` rebuilds
@@ -352,9 +292,13 @@ def save_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
 
 def load_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
     """Restore :func:`save_run_state`; a resume that changes what is trained, how (LoRA, optimizers, lr), the
-    seed or an algorithm is refused."""
+    seed, the EMA or an algorithm is refused (:class:`~unirl_pl.errors.InputError`: one line on the command line)."""
     if IDENTITY_KEY in checkpoint:
-        check_identity(checkpoint[IDENTITY_KEY], run_identity(module))
+        saved = checkpoint[IDENTITY_KEY]
+        if "ema" not in saved:  # written before the identity held the EMA: what the checkpoint holds says
+            saved = {**saved, **saved_ema_identity(checkpoint)}
+        path = getattr(getattr(module, "_trainer", None), "ckpt_path", None)
+        check_identity(saved, run_identity(module), path)
     if "unirl_versions" in checkpoint:
         module.ledger.load(checkpoint["unirl_versions"])
     module.skipped_steps = int(checkpoint.get("unirl_skipped_steps", 0))
@@ -365,7 +309,7 @@ def load_run_state(module: Any, checkpoint: dict[str, Any]) -> None:
         if algorithm is None:
             continue
         if saved["class"] != _qualname(algorithm):
-            raise ValueError(
+            raise InputError(
                 f"the checkpoint was trained with model.{role}={saved['class']}, this run configures "
                 f"{_qualname(algorithm)}: resume with the same algorithm"
             )

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from unirl_pl import timing
 from unirl_pl.algorithms import FlowGRPO, GeneratorAlgorithm, RefinerAlgorithm, TokenGRPO
+from unirl_pl.algorithms.base import check_algorithms
 from unirl_pl.callbacks.ema import EMA
 from unirl_pl.card import Card, Loop, Role
 from unirl_pl.checkpoint import load_run_state, save_run_state
@@ -35,7 +36,7 @@ from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.method.policy import PolicyLosses, Rows
-from unirl_pl.method.update import PolicyUpdate, check_mini_batches
+from unirl_pl.method.update import PolicyUpdate, check_split
 from unirl_pl.metrics import RewardStatistics, log_step, rollout_metrics, update_metrics
 from unirl_pl.records import Experience
 from unirl_pl.rewards import RewardTerm, WeightedSum, registered_rewards
@@ -187,6 +188,13 @@ class UniRLModule(pl.LightningModule):
         )
         self.source: ExperienceSource | None = None
         self.policy: PolicyLosses | None = None
+        # Refused while the recipe is parsed: in configure_model (inside fit) a ValueError is a traceback.
+        runs_lm = llm is not None and self.card.runs_loop(mode, Loop.DECODE)
+        loops = {Loop.DENOISE: generator_algorithm} | ({Loop.DECODE: llm_algorithm} if runs_lm else {})
+        check_algorithms({self.card.owner(loop): a for loop, a in loops.items()}, self.trained, rollout, self.losses)
+        if ema is not None:
+            experts = [name for name, role in self.card.components.items() if role == "expert"]
+            ema.check_components(experts, self.trained, mode, "model.ema.init_args.components")
         self.ema = ema
 
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -248,7 +256,8 @@ class UniRLModule(pl.LightningModule):
         self.policy = PolicyLosses(self.card, loops, experts, self.loss_settings, algorithms)
 
     def on_fit_start(self) -> None:
-        self._check_mini_batches()
+        data, world = getattr(self.trainer, "datamodule", None), self.trainer.world_size
+        check_split(self.losses, self.trained, self.card, data, world)  # before the first rollout, not after it
         # trainer.log_dir is a collective (a broadcast): read it on every rank, write on rank 0 only.
         assert self.diffusion_denoise is not None, "configure_model() builds the loops"
         run_dir = Path(self.trainer.log_dir or self.trainer.default_root_dir)
@@ -257,21 +266,6 @@ class UniRLModule(pl.LightningModule):
         message = f"Sampling schedule: {described['source']}; sigmas [{sigmas}]; SDE steps {described['sde_steps']}"
         # A recipe's shift that replaces the pipeline's own schedule is worth a warning, not a footnote.
         (rank_zero_warn if "overriding" in described["source"] else rank_zero_info)(message)
-
-    def _check_mini_batches(self) -> None:
-        """Each trained expert's ``mini_batches`` against the prompt groups and samples one rank holds per step."""
-        data = getattr(self.trainer, "datamodule", None)
-        layout, prompts = getattr(data, "layout", None), getattr(data, "prompts_per_step", None)
-        if layout is None or prompts is None:
-            return
-        groups = prompts // self.trainer.world_size
-        rows = {
-            Loop.DECODE: groups * (layout.samples_per_prompt - layout.num_skip_refinement),
-            Loop.DENOISE: groups * layout.samples_per_prompt * layout.images_per_refinement,
-        }
-        for name in self.trained:
-            samples = min(rows[loop] for loop in self.card.loops_of(name))
-            check_mini_batches(name, self.losses[name], groups, samples)
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         opts = []
@@ -331,14 +325,10 @@ class UniRLModule(pl.LightningModule):
         opts = self.optimizers()
         opts = dict(zip(self.trained, opts if isinstance(opts, list) else [opts], strict=True))
         assert self.policy is not None
-        update = PolicyUpdate(self)
-        updates, stepped = update.run(exp, opts)
+        updates, stepped, metrics = PolicyUpdate(self).run(exp, opts)
         for name in stepped:
             self.policy.end_step(name, step)
-        metrics: dict[str, Tensor | float] = dict(update.metrics)
-        for name, done in updates.items():
-            if done and name in stepped:
-                metrics.update(update_metrics(name, done))
+            metrics.update(update_metrics(name, updates[name]) if updates[name] else {})
         versions = self.ledger.as_dict()
         records = self.policy.rollout_metrics(exp)
         with timing.phase("logging"):
@@ -348,13 +338,8 @@ class UniRLModule(pl.LightningModule):
             metrics.update(rollout_metrics(exp, versions, staleness, self.conditioning.hit_rate(), rewards, records))
             metrics["train/skipped_steps"] = float(self.skipped_steps)
             log_step(self.trainer, metrics, step, self.device, pooled=rewards)
-            self.log(
-                "reward/mean",
-                torch.tensor(rewards["reward/mean"], dtype=torch.float32),
-                prog_bar=True,
-                on_step=True,
-                batch_size=len(exp.prompts),
-            )
+            mean = torch.tensor(rewards["reward/mean"], dtype=torch.float32)
+            self.log("reward/mean", mean, prog_bar=True, on_step=True, batch_size=len(exp.prompts))
 
     def position_label(self, name: str) -> str:
         """What a column of expert ``name``'s C2 values is (``token``, ``SDE step``, ``training point``)."""
@@ -374,17 +359,17 @@ class UniRLModule(pl.LightningModule):
         guided = self.eval_config.guided
         return serve(self.ar_decode, self.eval_denoise, self.conditioning, batch, guided)
 
-    def _reward_for(self, batch: PromptBatch, replies: list[str | None]) -> WeightedSum:
-        """The reward with the real prompts' metadata and the refiner's replies bound to it (the evaluation path
-        calls it without)."""
-        metadata = None if batch.metadata is None else batch.metadata[: batch.real]
-        return WithMetadata(self.reward_fn, metadata, replies[: batch.real])  # type: ignore[return-value]
+    def _served(self, batch: PromptBatch) -> tuple[list[str], list[str], Tensor, WeightedSum]:
+        """The real prompts (shard padding ran, every rank made the same forwards, but is not scored), their
+        refinements and images, and the reward with their metadata and the refiner's replies bound to it."""
+        refined, images, replies = self.serve(batch)
+        n, metadata = batch.real, None if batch.metadata is None else batch.metadata[: batch.real]
+        reward = WithMetadata(self.reward_fn, metadata, replies[:n])
+        return batch.prompts[:n], refined[:n], images[:n], reward  # type: ignore[return-value]
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
-        refined, images, replies = self.serve(batch)
-        n = batch.real  # shard padding ran (every rank made the same forwards) but is not scored
-        prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        scores, total = validation_scores(self._reward_for(batch, replies), prompts, refined, images)
+        prompts, refined, images, reward = self._served(batch)
+        scores, total = validation_scores(reward, prompts, refined, images)
         self.val_metrics.update(scores)
         # Every rank logs every key, its shard's missing categories too: each metric's sum and count are summed
         # over ranks when the epoch's values are first read, so the all-gathers line up and N ranks equal one.
@@ -395,10 +380,8 @@ class UniRLModule(pl.LightningModule):
         return pictures if batch_idx == 0 else None
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
-        refined, images, replies = self.serve(batch)
-        n = batch.real
-        prompts, refined, images = batch.prompts[:n], refined[:n], images[:n]
-        total, _ = self._reward_for(batch, replies)(prompts, refined, images)
+        prompts, refined, images, reward = self._served(batch)
+        total, _ = reward(prompts, refined, images)
         return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
 
     # ------------------------------------------------------------------ checkpoints

@@ -45,8 +45,15 @@ class Algorithm:
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
         """Called once the expert is built and its loop exists; ``trained`` says whether the mode updates it.
 
-        Raise ``ValueError`` here for settings this algorithm cannot run with.
+        Checks the loop's settings (:meth:`check_rollout`); a subclass that keeps something of the expert
+        calls this one too.
         """
+        self.check_rollout(loop.config, trained)
+
+    def check_rollout(self, config: RolloutConfig, trained: bool) -> None:
+        """Raise ``ValueError`` for rollout settings this algorithm cannot run with (``trained``: whether the mode
+        updates its expert). The module calls it when it is built from the recipe, before any model loads, so
+        the command line refuses the recipe in one line; :meth:`bind` calls it again."""
 
     def check_settings(self, settings: Any) -> None:
         """Raise ``ValueError`` if the expert's loss settings (``ExpertLoss``) make no sense for this algorithm."""
@@ -210,3 +217,15 @@ class RefinerAlgorithm(Algorithm):
         images = (exp.text_index == text_row).nonzero()
         prompt = exp.prompts[int(images[0])] if len(images) else "?"
         return f"prompt {prompt!r}"
+
+
+def check_algorithms(
+    algorithms: dict[str, Algorithm], trained: list[str], rollout: RolloutConfig, losses: dict[str, Any]
+) -> None:
+    """Raise ``ValueError`` for settings an algorithm cannot run with: each one's :meth:`~Algorithm.check_rollout`
+    (``algorithms``: by the expert it trains, each of a loop the mode runs) and, for a trained expert, its
+    :meth:`~Algorithm.check_settings` of ``losses[expert]``. The module calls it when it is built from the recipe."""
+    for owner, algorithm in algorithms.items():
+        algorithm.check_rollout(rollout, owner in trained)
+        if owner in trained:
+            algorithm.check_settings(losses[owner])

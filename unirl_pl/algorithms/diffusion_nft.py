@@ -87,11 +87,16 @@ class DiffusionNFT(GeneratorAlgorithm):
 
     # ------------------------------------------------------------------ the old policy
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
-        if trained and loop.config.guided:
+        super().bind(expert, loop, trained)
+        self.params = [p for p in expert.parameters() if p.requires_grad] if trained else []
+        self.old = [p.detach().clone() for p in self.params]
+
+    def check_rollout(self, config: RolloutConfig, trained: bool) -> None:
+        if trained and config.guided:
             raise ValueError(
                 "DiffusionNFT samples and trains without classifier-free guidance: set model.rollout.guidance_scale=1.0"
             )
-        if trained and loop.config.shared_start_noise:
+        if trained and config.shared_start_noise:
             # The rollout is the ODE: a group's samples from one start noise differ only by their text, so the
             # samples of one text are one image (zero spread, nothing to learn); the reference draws every
             # sample's noise (NVlabs/DiffusionNFT train_nft_sd3.py: pipeline_with_logprob without latents).
@@ -100,8 +105,6 @@ class DiffusionNFT(GeneratorAlgorithm):
                 "model.rollout.shared_start_noise=true the samples of one text are the same image; set "
                 "model.rollout.shared_start_noise=false"
             )
-        self.params = [p for p in expert.parameters() if p.requires_grad] if trained else []
-        self.old = [p.detach().clone() for p in self.params]
 
     def check_settings(self, settings: Any) -> None:
         if getattr(settings, "rollout_correction", "off") != "off":

@@ -78,8 +78,8 @@ class FlowGRPO(GeneratorAlgorithm):
         self.level, self.guard = float(noise_level), guard
         self._old_means: tuple[weakref.ref, Tensor] | None = None
 
-    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
-        self.window(loop.config)  # a window past the schedule fails at build time, not at the first rollout
+    def check_rollout(self, config: RolloutConfig, trained: bool) -> None:
+        self.window(config)  # a window past the schedule fails when the recipe is read, not at the first rollout
 
     def check_settings(self, settings: Any) -> None:
         """PromptRL's KL form divides Flow-GRPO's by the SDE step's ``-dt`` (its std before ``sqrt(-dt)``); the CPS

@@ -28,7 +28,8 @@ class FlowGRPOFast(FlowGRPO):
     """Flow-GRPO on ``window_size`` consecutive SDE steps placed at random per sample within ``window_range``.
 
     Args:
-        window_size: Stochastic (trained) steps per trajectory (the reference uses 1 or 2).
+        window_size: Stochastic (trained) steps per trajectory (Flow-GRPO's SD3 and FLUX Fast configs: 3;
+            its Qwen-Image Fast config: 2).
         window_range: ``[lo, hi)`` denoising steps the window lies in (None: ``[0, num_steps - 1)``, every step
             but the last, whose SDE variance Flow-GRPO's step degenerates at; or ``window_fraction``'s).
         noise_level: The SDE's noise scale ``a`` on the window's steps (CPS: in [0, 1]).
@@ -64,8 +65,8 @@ class FlowGRPOFast(FlowGRPO):
         self.window_range = None if window_range is None else (int(window_range[0]), int(window_range[1]))
         self.window_fraction = None if window_fraction is None else float(window_fraction)
 
-    def bind(self, expert: Any, loop: Any, trained: bool) -> None:
-        self.span(loop.config)
+    def check_rollout(self, config: RolloutConfig, trained: bool) -> None:
+        self.span(config)
 
     def span(self, config: RolloutConfig) -> tuple[int, int]:
         """The ``[lo, hi)`` steps the windows lie in, checked against ``config.num_steps``."""
@@ -78,7 +79,7 @@ class FlowGRPOFast(FlowGRPO):
         if not 0 <= lo < lo + self.window_size <= hi <= config.num_steps:
             raise ValueError(
                 f"FlowGRPOFast: {which} [{lo}, {hi}) must hold window_size={self.window_size} steps within "
-                f"num_steps={config.num_steps}"
+                f"model.rollout.num_steps={config.num_steps}"
             )
         if self.kind == "cps" and hi >= config.num_steps:
             raise ValueError(

@@ -18,6 +18,7 @@ from torch import Tensor
 from unirl_pl.algorithms.base import LossInputs, RefinerAlgorithm
 from unirl_pl.algorithms.drivers import refiner_loss
 from unirl_pl.group_stats import informative_groups
+from unirl_pl.loops.config import RolloutConfig
 from unirl_pl.losses import LossOutput, aggregation_units
 from unirl_pl.records import LMRecord
 
@@ -117,11 +118,14 @@ class DAPO(TokenGRPO):
         self._overlong: float | None = None
 
     def bind(self, expert: Any, loop: Any, trained: bool) -> None:
+        super().bind(expert, loop, trained)
         self.max_new_tokens = int(loop.config.max_new_tokens)
-        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+
+    def check_rollout(self, config: RolloutConfig, trained: bool) -> None:
+        if self.overlong_buffer is not None and self.overlong_buffer > config.max_new_tokens:
             raise ValueError(
                 f"DAPO: overlong_buffer={self.overlong_buffer} exceeds model.rollout.max_new_tokens="
-                f"{self.max_new_tokens} (L_cache <= L_max); lower it"
+                f"{config.max_new_tokens} (L_cache <= L_max); lower it"
             )
 
     def shape_rewards(self, text_rewards: Tensor, record: LMRecord) -> Tensor | None:

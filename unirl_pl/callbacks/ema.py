@@ -9,6 +9,7 @@ reference's training loop differs (it applies each scheduled update once per mic
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,7 +20,10 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-STATE_KEY = "EMA"
+from unirl_pl.errors import ConfigError
+from unirl_pl.identity import EMA_STATE_KEY
+
+STATE_KEY = EMA_STATE_KEY  # checkpoint["callbacks"]["EMA"], read by the run identity (unirl_pl.identity) too
 # The reference's warm-up: min((1 + k) / (10 + k), decay) at the k-th step (flow_grpo/ema.py).
 WARMUP_OFFSET = 10
 
@@ -85,6 +89,28 @@ class EMA(pl.Callback):
     @property
     def state_key(self) -> str:
         return STATE_KEY
+
+    def check_components(
+        self, experts: Sequence[str], trained: Sequence[str], mode: str, setting: str = "EMA components"
+    ) -> None:
+        """Raise ``ValueError`` when ``components`` names an expert the model does not have, or one its ``mode``
+        does not train (its weights never move: there is nothing to average); the message names ``setting``.
+        The module calls it when it is built from the recipe, so the run stops before any model loads."""
+        if self.components is None:
+            return
+        unknown = sorted(set(self.components) - set(experts))
+        if unknown:
+            raise ValueError(
+                f"{setting}={self.components}: this model has no expert {unknown} (its experts: "
+                f"{sorted(experts)}); name some of them, or leave components null for every trained expert"
+            )
+        frozen = sorted(set(self.components) - set(trained))
+        if frozen:
+            raise ValueError(
+                f"{setting}={self.components}: {frozen} is not trained in mode {mode!r} (trained: "
+                f"{list(trained)}), so its weights never change and there is nothing to average; name trained "
+                "experts, or leave components null for every trained expert"
+            )
 
     # ------------------------------------------------------------------ the arithmetic
     def decay_at(self, step: int) -> float | None:
@@ -183,6 +209,18 @@ class EMA(pl.Callback):
                     module.reshard()
 
     # ------------------------------------------------------------------ hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # An EMA given as a trainer callback (not model.ema, which the module checks when it is built): checked
+        # before the models load, and refused as a configuration error (one line on the command line).
+        trained, experts = getattr(pl_module, "trained", None), getattr(pl_module, "experts", None)
+        if trained is None or not callable(experts):
+            return
+        try:
+            mode = str(getattr(pl_module, "mode", ""))
+            self.check_components(list(experts()), list(trained), mode, "the EMA callback's components")
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ensure(trainer, pl_module)
 

@@ -110,7 +110,7 @@ class Expert(torch.nn.Module):
         this inside ``seeded_cpu_init``)."""
         if self.pretrained_path is not None:
             # ``torch_dtype`` (not ``.to``) keeps the modules diffusers pins to float32 in float32.
-            verify_assets(Path(self.pretrained_path) / (self.subfolder or ""))
+            verify_assets(Path(self.pretrained_path) / (self.subfolder or ""), component=type(self).__name__)
             return cls.from_pretrained(self.pretrained_path, subfolder=self.subfolder, torch_dtype=self.dtype)
         model = cls(**self.tiny_config())
         return model if self.dtype == torch.float32 else model.to(self.dtype)

@@ -108,7 +108,7 @@ class CausalLMExpert(LoRAExpert):
     def _base_tokenizer(self) -> PreTrainedTokenizerBase:
         assert self.pretrained_path is not None  # set by __init__; only the tiny subclass has none
         # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
-        verify_assets(self.pretrained_path)
+        verify_assets(self.pretrained_path, component=type(self).__name__)
         return load_tokenizer(self.pretrained_path)
 
     def _base_model(self, tokenizer: PreTrainedTokenizerBase) -> PreTrainedModel:

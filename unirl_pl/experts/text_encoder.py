@@ -104,7 +104,7 @@ class TextEncoderExpert(FrozenExpert):
         else:
             # Before the tokenizer loads: a deleted shipped file is then named by the manifest, not a loader error.
             folders = {self.subfolder or "", self.tokenizer_subfolder or self.subfolder or ""}
-            verify_assets([Path(self.pretrained_path) / sub for sub in sorted(folders)])
+            verify_assets([Path(self.pretrained_path) / sub for sub in sorted(folders)], component=type(self).__name__)
             tokenizer = load_tokenizer(self.pretrained_path, self.tokenizer_subfolder or self.subfolder)
             kwargs = {"subfolder": self.subfolder} if self.subfolder else {}
             model = CLIPTextModelWithProjection.from_pretrained(self.pretrained_path, dtype=self.dtype, **kwargs)

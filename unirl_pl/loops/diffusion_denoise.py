@@ -111,7 +111,8 @@ class DiffusionDenoise:
         reads and launches of two); rollout and the recompute both do, so the DiT's C2 stays bitwise.
         ``g`` is ``guidance_scale``, or ``guidance_scale_2`` for the rows whose sigma a two-expert Wan2.2
         generator routes to its low-noise expert (:meth:`guidance_scales`). ``detach_uncond`` detaches
-        ``v_u`` in both of its places: the same values, and a gradient of ``g * dv_c`` alone.
+        ``v_u`` in both of its places: the same values, and a gradient of ``g * dv_c`` alone. A generator with a
+        ``guide(v_c, v_u, g)`` method combines them itself (``QwenImageGenerator``: the pipeline's norm rescale).
         """
         n = x.shape[0]
         s = torch.as_tensor(sigma, dtype=torch.float32, device=x.device).expand(n)
@@ -125,7 +126,9 @@ class DiffusionDenoise:
         g = self.guidance_scales(s)
         if isinstance(g, Tensor):
             g = g.view(n, *([1] * (v.ndim - 1)))
-        return v0 + g * (v - v0)
+        # A family whose pipeline combines the two branches its own way (Qwen-Image's norm rescale) says how.
+        guide = getattr(self.generator, "guide", None)
+        return guide(v, v0, g) if guide is not None else v0 + g * (v - v0)
 
     def guidance_scales(self, sigma: Tensor) -> float | Tensor:
         """The guidance scale of each row at noise levels ``sigma`` (B,): ``guidance_scale`` (a float), or,

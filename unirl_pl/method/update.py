@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from unirl_pl import timing
+from unirl_pl.card import Loop
 from unirl_pl.distributed import agree_max
 from unirl_pl.errors import ConfigError
 from unirl_pl.losses import LossOutput
@@ -53,6 +54,21 @@ def check_mini_batches(name: str, settings: ExpertLoss, groups: int, samples: in
 """Expert -> (loss output, gradient norm) of each update applied this step."""
 
 
+def check_split(losses: dict[str, ExpertLoss], trained: list[str], card: Any, data: Any, world: int) -> None:
+    """:func:`check_mini_batches` for each trained expert, from the data module's prompts per step and group
+    layout (``card.loops_of`` says which record rows an expert trains); nothing to check without them."""
+    layout, prompts = getattr(data, "layout", None), getattr(data, "prompts_per_step", None)
+    if layout is None or prompts is None:
+        return
+    groups = prompts // world
+    rows = {
+        Loop.DECODE: groups * (layout.samples_per_prompt - layout.num_skip_refinement),
+        Loop.DENOISE: groups * layout.samples_per_prompt * layout.images_per_refinement,
+    }
+    for name in trained:
+        check_mini_batches(name, losses[name], groups, min(rows[loop] for loop in card.loops_of(name)))
+
+
 @dataclass
 class PolicyUpdate:
     """Runs the updates of one RL step for the module's trained experts (see the module docstring)."""
@@ -61,8 +77,9 @@ class PolicyUpdate:
     metrics: dict[str, float] = field(default_factory=dict)
     """What the split adds to the step's metrics (``<expert>/trained_frac`` with the zero-advantage drop)."""
 
-    def run(self, exp: Experience, opts: dict[str, Any]) -> tuple[Updates, list[str]]:
-        """Every update of ``exp``; returns each expert's applied updates and the experts that stepped."""
+    def run(self, exp: Experience, opts: dict[str, Any]) -> tuple[Updates, list[str], dict[str, float]]:
+        """Every update of ``exp``; returns each expert's applied updates, the experts that stepped and what the
+        split adds to the step's metrics."""
         m = self.module
         updates: Updates = {name: [] for name in opts}
         stepped: list[str] = []  # the experts with an update applied this step (none when the step was skipped)
@@ -74,12 +91,12 @@ class PolicyUpdate:
                 active = {n: o for n, o in opts.items() if u < len(splits[n]) and splits[n][u] != {}}
                 applied = self.update(exp, active, {n: splits[n][u] for n in active}, first, reported, updates)
                 if applied is None:  # not finite: the first update skips the step, a later one ends it
-                    return updates, stepped
+                    return updates, stepped, self.metrics
                 if applied:
                     if first:
                         m.consecutive_skips, first = 0, False
                     stepped += [name for name in applied if name not in stepped]
-        return updates, stepped
+        return updates, stepped, self.metrics
 
     def update(
         self,

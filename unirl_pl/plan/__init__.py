@@ -8,10 +8,11 @@ It prints, per phase of the step, the peak device memory by category (frozen wei
 optimizer state; activations; temporaries; the step's resident experience), whether the recipe's own
 ``micro_batch_size`` and ``gradient_checkpointing`` fit, and the largest micro-batch that fits with and
 without checkpointing. Models come from ``--pipeline-path``/``--llm-path`` (local folders; their
-``config.json`` files are enough), else from the recipe's paths, else from the configs shipped under
-``unirl_pl/assets/configs``. The recipes and dotted overrides are parsed by ``fit``'s own parser (every
-default a constructor's; a setting ``fit`` refuses is refused with ``fit``'s message). See
-:mod:`unirl_pl.plan.planner` for what is traced.
+``config.json`` files are enough), else from the recipe's paths (a local folder, or a hub id or another
+machine's folder named as a shipped config), and from the family's config shipped under
+``unirl_pl/assets/configs`` only when no path is set: a path that is set and found nowhere is refused. The
+recipes and dotted overrides are parsed by ``fit``'s own parser (every default a constructor's; a setting
+``fit`` refuses is refused with ``fit``'s message). See :mod:`unirl_pl.plan.planner` for what is traced.
 """
 
 from __future__ import annotations

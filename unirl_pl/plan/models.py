@@ -36,6 +36,8 @@ DEFAULT_PIPELINES: dict[str, str] = {
     "FluxGenerator": "FLUX.1-dev",
     "Flux2KleinGenerator": "FLUX.2-klein-base-4B",
     "WanGenerator": "Wan2.1-T2V-1.3B-Diffusers",
+    "QwenImageGenerator": "Qwen-Image",
+    "ZImageGenerator": "Z-Image",
 }
 """The shipped pipeline a family's recipe is planned with when no folder is given."""
 
@@ -45,16 +47,22 @@ def shipped_configs() -> list[str]:
     return sorted(p.name for p in SHIPPED.iterdir() if p.is_dir())
 
 
-def resolve_folder(given: str | None, recipe: str | None, default: str | None, what: str) -> Path:
+def resolve_folder(
+    given: str | None,
+    recipe: str | None,
+    default: str | None,
+    what: str,
+    settings: tuple[str, str] = ("--pipeline-path", "model.pipeline_path"),
+) -> Path:
     """The config folder of a model. ``given`` (a command-line path) must be a local folder or a shipped
     config's name. The recipe's path may be a hub id or a folder of another machine: it is used when it
     is a local folder or names a shipped config by its last component (``Qwen/Qwen2.5-1.5B-Instruct`` is
-    the shipped ``Qwen2.5-1.5B-Instruct``), else the shipped ``default`` stands in. Raises
-    ``FileNotFoundError`` listing the shipped configs when nothing matches."""
-    choices = [given] if given else [recipe, default]
-    for candidate in choices:
-        if not candidate:
-            continue
+    the shipped ``Qwen2.5-1.5B-Instruct``). The shipped ``default`` stands in only when neither path is set:
+    a path that is set and matches nothing is refused, not planned from another model's config. Raises
+    ``FileNotFoundError`` naming the setting (``settings``: the command line's and the recipe's) and the path,
+    and listing the shipped configs."""
+    candidate, setting = (given, settings[0]) if given else (recipe, settings[1]) if recipe else (default, "")
+    if candidate:
         local = Path(candidate).expanduser()
         if local.is_dir():
             return local
@@ -62,9 +70,10 @@ def resolve_folder(given: str | None, recipe: str | None, default: str | None, w
             if (SHIPPED / name).is_dir():
                 verify_assets(SHIPPED / name)
                 return SHIPPED / name
+    where = f"{setting}={candidate!r} is not a local folder nor a shipped config's name" if setting else "none set"
     raise FileNotFoundError(
-        f"no {what} config at {given or recipe!r}: pass a local folder (its config.json files are enough) or one of "
-        f"the shipped configs: {', '.join(shipped_configs())}"
+        f"no {what} config: {where}; give a local folder (its config.json files are enough) or one of the shipped "
+        f"configs: {', '.join(shipped_configs())}"
     )
 
 
@@ -115,7 +124,8 @@ def meta_model(cls: type, folder: Path, dtype: torch.dtype) -> torch.nn.Module:
 
 def to_fake(modules: list[torch.nn.Module], mode: FakeTensorMode) -> None:
     """Replace every parameter and buffer of ``modules`` by a fake CPU tensor of the same shape, dtype and
-    ``requires_grad``, in place. A tensor shared by several modules (tied embeddings) stays shared."""
+    ``requires_grad``, in place, and every meta tensor a module holds as a plain attribute by a fake one. A tensor
+    shared by several modules (tied embeddings) stays shared."""
     seen: dict[int, torch.Tensor] = {}
     with mode:
         for module in modules:
@@ -128,6 +138,11 @@ def to_fake(modules: list[torch.nn.Module], mode: FakeTensorMode) -> None:
                             fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
                             seen[id(tensor)] = torch.nn.Parameter(fake, tensor.requires_grad) if is_param else fake
                         table[name] = seen[id(tensor)]
+                # Tables a module keeps as plain tensor attributes, built on the meta device with it (Qwen-Image's
+                # complex RoPE tables, kept out of the buffers so a dtype cast cannot drop their imaginary part).
+                for name, tensor in list(vars(sub).items()):
+                    if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                        setattr(sub, name, torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu"))
 
 
 class LengthTokenizer:

@@ -125,7 +125,8 @@ def build_experts(
     folder = resolve_folder(pipeline_path, recipe.pipeline_path, default, "pipeline")
     llm_folder = None
     if recipe.llm_args is not None:
-        llm_folder = resolve_folder(llm_path, recipe.llm_args.get("pretrained_path"), None, "refiner LM")
+        settings = ("--llm-path", "model.llm.init_args.pretrained_path")
+        llm_folder = resolve_folder(llm_path, recipe.llm_args.get("pretrained_path"), None, "refiner LM", settings)
     if mode is None:
         return real_experts(
             recipe.generator_class, recipe.generator_args, folder, recipe.llm_args, llm_folder, recipe.llm_class

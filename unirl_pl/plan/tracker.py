@@ -10,7 +10,12 @@ activation, temporary or optimizer state) with three changes a LoRA RL step need
   O(modules) per operator, which made a real-size DiT trace take minutes instead of seconds;
 - a top-level module may run more than once (guidance rows, the reference forward of the KL, one
   forward per denoising step): ``MemTracker`` takes a second root call for a second training iteration
-  and raises, so the root's per-module record restarts instead (the global peak keeps counting).
+  and raises, so the root's per-module record restarts instead (the global peak keeps counting);
+- no per-module statistics: ``MemTracker``'s module hooks deep-copy a snapshot and sum the input and output
+  bytes of every module call for its per-module report, which the plan never reads; its operator hook maps
+  every result through a pytree. The hooks here keep only what the global peak depends on (the parameters and
+  gradient hooks of a module seen first, the recomputation flag of checkpointing), which took a third of a
+  real-size trace's CPU off (the same bytes: see each override).
 
 :class:`Usage` splits a peak snapshot into what the plan reports: frozen weights, the trainable state
 (LoRA parameters, their gradients and optimizer state), activations, temporaries, and the experience the
@@ -19,14 +24,18 @@ step keeps resident (the tensors handed to :meth:`PlanMemTracker.track_external`
 
 from __future__ import annotations
 
+import weakref
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 GiB = float(2**30)
 
@@ -118,11 +127,61 @@ class PlanMemTracker(MemTracker):
                 self._peak_mem_snap[device] = deepcopy(snapshot)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
+        # ``MemTracker._pre_fw_hook`` less its per-module snapshots and input bytes: a module seen first has its
+        # parameters (and gradients) filed and gradient hooks installed; one seen again in backward is the
+        # recomputation of a checkpointed block, whose outermost module marks the AC region (its tensors are
+        # activations, not temporaries).
         name = self._mod_tracker.get_known_fqn(module)
+        is_bw = self._mod_tracker.is_bw
         outer = set(self._mod_tracker.parents) - {name}
-        if module in self.memory_tracking and not self._mod_tracker.is_bw and outer == {"Global"}:
+        if module in self.memory_tracking and not is_bw and outer == {"Global"}:
             del self.memory_tracking[module]
-        super()._pre_fw_hook(module, inputs)
+        if module not in self.memory_tracking:
+            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            self.memory_tracking[module] = _ModMemStats(name)
+        elif is_bw and self._ac_mod is None:
+            self._ac_mod = weakref.ref(module)
+            self._in_ac = True
+
+    def _post_fw_hook(self, module: torch.nn.Module, inputs: Any, outputs: Any) -> None:
+        # ``MemTracker._post_fw_hook`` less its snapshot and output bytes: the AC region ends with its module.
+        if self._ac_mod is not None and self._ac_mod() is module and self._mod_tracker.is_bw:
+            self._ac_mod = None
+            self._in_ac = False
+
+    def _pre_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        # ``MemTracker``'s backward hooks only take per-module snapshots.
+        pass
+
+    def _post_bw_hook(self, module: torch.nn.Module, args: Any) -> None:
+        pass
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # ``MemTracker.__torch_dispatch__`` with the result's tensors walked instead of mapped (most operators
+        # return one tensor; ``tree_map_only`` rebuilt every result) and the peak kept as ``_update_peak_stats``
+        # keeps it. A ``DTensor`` operator runs as its local operators, which are tracked; a fake mode entered
+        # after the tracker is DTensor's sharding propagation, whose tensors no rank holds.
+        if any(t == DTensor for t in types):
+            return NotImplemented
+        if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
+            res = args[0]  # the wait returns its input in a running fit; the fake kernel would copy it
+        else:
+            res = func(*args, **(kwargs or {}))
+        if active_fake_mode() is self._fake_mode_on_entry:
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif not self._in_ac and self._mod_tracker.is_bw:
+                reftype = _MemRefType.TEMP
+            else:
+                reftype = _MemRefType.ACT
+            if isinstance(res, torch.Tensor):
+                self._track(reftype, res)
+            else:
+                for leaf in tree_leaves(res):
+                    if isinstance(leaf, torch.Tensor):
+                        self._track(reftype, leaf)
+            self._update_peak_stats(None)
+        return res
 
     # ------------------------------------------------------------------ what the plan reads
 

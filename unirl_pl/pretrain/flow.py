@@ -20,6 +20,7 @@ from unirl_pl.experts.dit import FlowTransformerExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.generators import ComponentGenerator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
+from unirl_pl.manifest import write_manifest
 from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine
 from unirl_pl.rewards.shapes import ShapesGenEval
 from unirl_pl.threads import set_threads
@@ -254,12 +255,16 @@ class FlowMatchingPretrain(pl.LightningModule):
 
     def export(self, export_dir: str | Path) -> None:
         """Save ``transformer/`` (diffusers) and ``text_encoder/`` (transformers + tokenizer) folders, with
-        the averaged weights when there is an EMA, and ``fingerprints.json``."""
+        the averaged weights when there is an EMA, each with its ``MANIFEST.sha256``, and ``fingerprints.json``."""
         root = Path(export_dir)
         with self.averaged_weights():
             self.transformer.model.save_pretrained(root / "transformer")
             self.text_encoder.model.save_pretrained(root / "text_encoder")
         self.text_encoder.tokenizer.save_pretrained(root / "text_encoder")
+        # Each folder's own manifest: the experts check it when they load (a copy of the shipped assets with the
+        # shipped files' names, sizes and headers is otherwise checked against the shipped hashes).
+        write_manifest(root / "transformer")
+        write_manifest(root / "text_encoder")
         if self.fingerprints:
             text = json.dumps({"trained_weights_sha256_after_step": self.fingerprints}, indent=1)
             (root / "fingerprints.json").write_text(text + "\n")

@@ -14,6 +14,7 @@ from torch import Tensor
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.llm import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
+from unirl_pl.manifest import write_manifest
 from unirl_pl.pretrain.common import warmup_cosine
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
 from unirl_pl.shapes.scenes import parse_caption
@@ -142,7 +143,9 @@ class RefinerSFT(pl.LightningModule):
             self.export(self.export_dir)
 
     def export(self, export_dir: str | Path) -> None:
-        """Save the LM and its tokenizer to ``export_dir/refiner`` (loadable by ``CausalLMExpert``)."""
+        """Save the LM and its tokenizer to ``export_dir/refiner`` (loadable by ``CausalLMExpert``), with the
+        folder's ``MANIFEST.sha256``."""
         path = Path(export_dir) / "refiner"
         self.llm.model.save_pretrained(path)
         self.llm.tokenizer.save_pretrained(path)
+        write_manifest(path)  # checked when CausalLMExpert loads it (unirl_pl.manifest)

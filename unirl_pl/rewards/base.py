@@ -50,13 +50,26 @@ class RewardTerm:
 
     Args:
         reward: The reward, by ``class_path`` and ``init_args`` (any subclass of :class:`Reward`).
-        weight: Its weight in the sum (a finite number; 0 logs the term without training on it).
+        weight: Its weight in the sum (a finite number; 0 logs the term without training on it). Negative only
+            with ``allow_negative``.
         name: Its metric name, ``reward/<name>`` (default: the reward's ``name``, else its class name in lower case).
+        allow_negative: Accept a negative ``weight``. A negative weight trains the run to lower this reward: what a
+            penalty term wants (a reward that measures something to avoid, such as a length or an artifact
+            score); a sign typed by mistake would do the same silently, so it must be asked for.
     """
 
     reward: Reward
     weight: float = 1.0
     name: str | None = None
+    allow_negative: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.weight, int | float) and self.weight < 0 and not self.allow_negative:
+            raise ValueError(
+                f"reward term {self.term_name()!r} has weight {self.weight}: a negative weight trains the run to "
+                "lower this reward. For a penalty term set allow_negative: true on the term (next to its weight); "
+                "else give a weight >= 0"
+            )
 
     def term_name(self) -> str:
         """The name this term is logged and reported under."""

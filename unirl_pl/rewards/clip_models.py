@@ -12,10 +12,7 @@ refiner's rewrite instead, which a refiner can game by rewriting toward what the
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -23,52 +20,10 @@ from torch import Tensor, nn
 
 from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.frames import FrameReduce, check_frame_args, score_video_frames
+from unirl_pl.rewards.loading import load_or_explain, load_state_dict_file
 
 PromptChoice = Literal["original", "refined"]
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-T = TypeVar("T")
-
-
-def load_or_explain(reward: str, what: str, path: str, load: Callable[[], T]) -> T:
-    """``load()``, or a ValueError naming the reward, what it was loading and from where.
-
-    transformers raises OSError for a missing folder, a hub id that is not cached offline and a folder
-    without the expected files; the reward's name is what a user needs to find the recipe line at fault.
-    """
-    try:
-        return load()
-    except (OSError, ValueError) as err:
-        offline = " (HF_HUB_OFFLINE is set: a hub id must already be in the local cache)"
-        hint = offline if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") else ""
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"reward {reward!r}: cannot load its {what} from {path!r}: {detail}. Give a local folder or a hub id{hint}"
-        ) from err
-
-
-def checkpoint_path(reward: str, pretrained_path: str, checkpoint_file: str, where: str) -> str:
-    """The weights file a reward loads: ``pretrained_path`` itself when it is a file; ``checkpoint_file`` inside
-    it when it is a folder (or a path that looks local: absolute, ``.`` or ``~``), which must exist; else
-    ``checkpoint_file`` of the hub repo it names (from the cache when offline). ``where`` says where to get it."""
-    path = Path(pretrained_path).expanduser()
-    if path.is_file():
-        return str(path)
-    if path.is_dir() or path.is_absolute() or pretrained_path.startswith((".", "~")):
-        file = path / checkpoint_file if path.is_dir() else path
-        if not file.is_file():
-            raise ValueError(
-                f"reward {reward!r}: its checkpoint {str(file)!r} is not a file; it is {where}. Download it and "
-                "set pretrained_path to the file or its folder (or to the hub id when it is in the cache)"
-            )
-        return str(file)
-    from huggingface_hub import hf_hub_download
-
-    return load_or_explain(
-        reward,
-        f"checkpoint {checkpoint_file!r} (pretrained_path; {where})",
-        pretrained_path,
-        lambda: hf_hub_download(pretrained_path, checkpoint_file),
-    )
 
 
 def torch_dtype(reward: str, dtype: str) -> torch.dtype:
@@ -313,28 +268,6 @@ class AestheticMLP(nn.Module):
 
     def forward(self, embeddings: Tensor) -> Tensor:
         return self.layers(embeddings).squeeze(-1)
-
-
-def load_state_dict_file(reward: str, what: str, path: str) -> dict[str, Tensor]:
-    """Tensors from a ``.safetensors`` file or a torch checkpoint (``.pt``/``.pth``, loaded weights-only);
-    a checkpoint that wraps them in ``state_dict`` is unwrapped and a DDP ``module.`` prefix dropped."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"reward {reward!r}: its {what} {path!r} is not a file")
-    if file.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(file))
-    else:
-        try:
-            state = torch.load(str(file), map_location="cpu", weights_only=True)
-        except Exception as err:  # a pickle with code in it, or not a checkpoint at all
-            raise ValueError(f"reward {reward!r}: cannot read its {what} {path!r}: {err}") from err
-    if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
-        raise ValueError(f"reward {reward!r}: its {what} {path!r} is not a state dict of tensors")
-    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 class Aesthetic(CLIPReward):

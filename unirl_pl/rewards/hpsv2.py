@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from unirl_pl.rewards.clip_models import CLIPReward, checkpoint_path, load_or_explain, load_state_dict_file, quantize
+from unirl_pl.rewards.clip_models import CLIPReward, quantize
+from unirl_pl.rewards.loading import checkpoint_path, load_or_explain, load_state_dict_file
 
 
 def open_clip_to_transformers(state: dict[str, Tensor]) -> dict[str, Tensor]:

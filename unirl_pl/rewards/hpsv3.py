@@ -38,12 +38,10 @@ from torch import Tensor, nn
 from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.clip_models import (
     PromptChoice,
-    checkpoint_path,
-    load_or_explain,
-    load_state_dict_file,
     quantize,
     torch_dtype,
 )
+from unirl_pl.rewards.loading import checkpoint_path, load_or_explain, load_state_dict_file
 
 REWARD_TOKEN = "<|Reward|>"
 # The instruction and the closing line of ``hpsv3/dataset/data_collator_qwen.py`` (``INSTRUCTION`` and

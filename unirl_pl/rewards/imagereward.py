@@ -27,12 +27,10 @@ from torch import Tensor, nn
 from unirl_pl.rewards.clip_models import (
     AestheticMLP,
     CLIPReward,
-    checkpoint_path,
-    load_or_explain,
-    load_state_dict_file,
     quantize,
     unique_texts,
 )
+from unirl_pl.rewards.loading import checkpoint_path, load_or_explain, load_state_dict_file
 
 if TYPE_CHECKING:  # transformers is imported where a model is built: it loads slowly
     from transformers import BertTokenizer, BlipConfig

@@ -1,76 +1,93 @@
-"""Reference reward server: serves any registered (or dotted-path) reward over the HTTP reward protocol.
+"""Reference reward server: serves any registered (or dotted-path) reward over the HTTP reward protocol, on LitServe.
 
-Run ``python -m unirl_pl.rewards.server --reward pickscore --reward-args '{"device": "cuda:1"}'`` and
-point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path) takes ``{"prompts",
-"refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample, handed to a
-reward that declares a ``metadata`` parameter) and answers ``{"scores": [...]}``; ``GET /health`` answers ``{"status":
-"ok", "reward": name}``. Concurrent requests (several trainer ranks, or one client's overlapping calls)
-are batched: one worker thread scores the requests that arrived within ``batch_wait_s`` of each other
-in one call of the reward, up to ``max_batch_size`` samples. Requests are bounded (body size, head and body
-read time, PNG/JPEG only, pixels per image and per request); every refusal is a JSON ``{"error": ...}`` with
-its 4xx/5xx status, and the connection is closed after it. It is also the template for wrapping a
-model whose dependencies cannot live in the trainer's environment: copy it, replace the reward, keep
-the protocol.
+Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (or ``python -m
+unirl_pl.rewards.server ...``) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path)
+takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample,
+handed to a reward that declares a ``metadata`` parameter) and answers ``{"scores": [...]}``; ``GET /health``
+answers ``{"status": "ok", "reward": name}``. LitServe (the ``serve`` extra: ``pip install 'unirl_pl[serve]'``)
+runs the reward in a worker process of its own (:mod:`unirl_pl.rewards.server_worker`) and batches concurrent
+requests (several trainer ranks, or one client's overlapping calls): the requests that reach the worker within
+``batch_wait_s`` of each other are scored together, in reward calls of one image size and at most
+``max_batch_size`` samples. Requests are bounded (body size, head and body read time, PNG/JPEG only, pixels per
+image and per request: :mod:`unirl_pl.rewards.server_front`); every refusal is a JSON ``{"error": ...}`` with its
+4xx/5xx status, and the connection is closed after it. To serve a model whose dependencies cannot live in the
+trainer's environment, serve your own reward class by dotted path, or speak the protocol from any framework
+(docs/rewards.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import http.client
 import json
+import logging
+import os
+import signal
+import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from multiprocessing import get_context
+from types import ModuleType
 from typing import Any, NoReturn
 
-from torch import Tensor
-
-from unirl_pl.rewards.batcher import RequestBatcher
-from unirl_pl.rewards.builtin import RewardFn, resolve_reward
-from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS, ImageTooLarge, decode_images
-from unirl_pl.rewards.metadata import Metadata, check_metadata
-from unirl_pl.rewards.transport import DeadlineSocket
+from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS
 
 MAX_BODY_BYTES = 64 * 2**20
 READ_TIMEOUT_S = 30.0
-_READ_CHUNK = 64 * 2**10
+# The interfaces LitServe binds (LitServer.run refuses any other host).
+HOSTS = ("127.0.0.1", "0.0.0.0", "::")
+INSTALL = "pip install 'unirl_pl[serve]'"
 
 
-class RewardHTTPServer(ThreadingHTTPServer):
-    """A threading HTTP server holding one reward; concurrent requests are scored in batches by one
-    worker thread (:class:`RequestBatcher`).
+def _parts() -> tuple[ModuleType, ModuleType]:
+    """The server's parts on LitServe (front, worker), or an ImportError naming the missing package and how to
+    install it."""
+    try:
+        from unirl_pl.rewards import server_front, server_worker
+    except ImportError as err:
+        if err.name is None or err.name.startswith("unirl_pl"):
+            raise
+        raise ImportError(
+            f"the reward server needs the {err.name!r} package (the serve extra): {INSTALL}", name=err.name
+        ) from None
+    return server_front, server_worker
 
-    Every request is bounded before the reward sees it: a ``Content-Length`` is required (411) and may
-    not exceed ``max_body_bytes`` (413, refused unread); the request line and headers must arrive within
-    ``read_timeout_s`` (else the connection is closed, unanswered), the body within another ``read_timeout_s``
-    (408); the JSON must parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be
-    lists of strings as long as ``images`` (400); ``metadata``, when present and not null, must be a list as
-    long as ``prompts`` of JSON objects or nulls (400); images must be PNG or JPEG (400) within the pixel limits
-    (413, checked from the image header before decoding). Each error reply is ``{"error": "..."}`` and
-    closes the connection.
+
+class RewardServer:
+    """One reward served by LitServe: :meth:`start` runs it in a background thread, :meth:`close` stops it.
+
+    Every request is bounded before the reward sees it: a ``Content-Length`` is required (411) and may not exceed
+    ``max_body_bytes`` (413, refused unread); the request line and headers must arrive within ``read_timeout_s``
+    (else the connection is closed, unanswered), the body within another ``read_timeout_s`` (408); the JSON must
+    parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be lists of strings as long as
+    ``images`` (400); ``metadata``, when present and not null, must be a list as long as ``prompts`` of JSON objects
+    or nulls (400); images must be PNG or JPEG (400) within the pixel limits (413, checked from the image header
+    before decoding). Each error reply is ``{"error": "..."}`` and closes the connection. A reward call that
+    raises, or returns the wrong count or a non-finite score, fails only the request that causes it (500).
 
     Args:
-        address: (host, port) to bind; port 0 picks a free port (see ``url``).
-        reward: The reward callable to serve.
-        reward_name: Its name, reported by ``GET /health``.
+        reward_name: Registry name or dotted path; the reward is built in LitServe's worker process.
+        reward_args: Its constructor keyword arguments.
+        host: Interface to bind: ``127.0.0.1``, ``0.0.0.0`` or ``::`` (the ones LitServe binds).
+        port: Port to bind; 0 picks a free one (see ``url``).
         max_batch_size: Most samples per reward call when requests are batched together.
-        batch_wait_s: How long a batch waits for more requests after its first one.
+        batch_wait_s: How long LitServe's worker collects requests into a batch (its ``batch_timeout``).
         max_body_bytes: Largest request body accepted.
         read_timeout_s: Seconds the request line and headers may take to arrive in full (counted from the
             connection's start or its previous reply, so also how long an idle connection is kept), the same
-            again for the body, and how long writing a reply may block.
+            again for the body, and how long a reply may wait for a client that stopped reading.
         max_image_pixels: Most pixels (width x height) of one image or video frame.
         max_total_pixels: Most pixels of all the images and frames of one request.
     """
 
-    # Handler threads must not keep the process alive or block close() on a stuck client.
-    daemon_threads = True
-
     def __init__(
         self,
-        address: tuple[str, int],
-        reward: RewardFn,
         reward_name: str,
+        reward_args: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
         max_batch_size: int = 64,
         batch_wait_s: float = 0.005,
         max_body_bytes: int = MAX_BODY_BYTES,
@@ -78,197 +95,159 @@ class RewardHTTPServer(ThreadingHTTPServer):
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_total_pixels: int = MAX_TOTAL_PIXELS,
     ) -> None:
-        if max_body_bytes < 1 or read_timeout_s <= 0 or max_image_pixels < 1 or max_total_pixels < 1:
+        if (
+            max_batch_size < 1
+            or batch_wait_s < 0
+            or max_body_bytes < 1
+            or read_timeout_s <= 0
+            or max_image_pixels < 1
+            or max_total_pixels < 1
+        ):
             raise ValueError(
-                "need max_body_bytes >= 1, read_timeout_s > 0, max_image_pixels >= 1, max_total_pixels >= 1; got "
+                "need max_batch_size >= 1, batch_wait_s >= 0, max_body_bytes >= 1, read_timeout_s > 0, "
+                f"max_image_pixels >= 1, max_total_pixels >= 1; got {max_batch_size}, {batch_wait_s}, "
                 f"{max_body_bytes}, {read_timeout_s}, {max_image_pixels}, {max_total_pixels}"
             )
-        self.max_body_bytes, self.read_timeout_s = max_body_bytes, read_timeout_s
-        self.max_image_pixels, self.max_total_pixels = max_image_pixels, max_total_pixels
-        super().__init__(address, _RewardHandler)
-        self.batcher = RequestBatcher(reward, reward_name, max_batch_size, batch_wait_s)
-        self.reward, self.reward_name = reward, reward_name
-        self.thread: threading.Thread | None = None
+        if host not in HOSTS:
+            raise ValueError(f"host must be one of {', '.join(HOSTS)} (the interfaces LitServe binds), got {host!r}")
+        front, worker = _parts()
+        self.reward_name, self.host, self.port, self.read_timeout_s = reward_name, host, port, read_timeout_s
+        # The worker is spawned: what it reports goes through a pipe of the same start method.
+        self._setup_errors, setup_errors = get_context("spawn").Pipe(duplex=False)
+        self.api = worker.RewardAPI(
+            reward_name,
+            dict(reward_args or {}),
+            max_batch_size,
+            batch_wait_s,
+            max_image_pixels,
+            max_total_pixels,
+            setup_errors,
+            os.getpid(),
+        )
+        self._server = worker.ls.LitServer(
+            self.api,
+            accelerator="cpu",  # one worker; the reward puts itself on the device its reward_args name
+            devices=1,
+            workers_per_device=1,
+            timeout=False,  # a request waits for its batch however long: the client holds the deadline
+            disable_openapi_url=True,
+            middlewares=[
+                (
+                    front.RequestGuard,
+                    {
+                        "reward_name": reward_name,
+                        "api_path": self.api.api_path,
+                        "max_body_bytes": max_body_bytes,
+                        "read_timeout_s": read_timeout_s,
+                        "parent_pid": os.getpid(),
+                    },
+                )
+            ],
+        )
+        # Stopping waits this long for open connections (read_timeout_s bounds each one's head and body).
+        self._server.uvicorn_graceful_timeout = read_timeout_s
+        self._protocol = front.guarded_protocol(read_timeout_s)
+        # Set when LitServer.run returns. Waited on instead of the thread: a join interrupted by Ctrl-C marks the
+        # thread stopped while it runs on (CPython 3.11).
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._serving = False
 
     @property
     def url(self) -> str:
         """The base URL clients POST to, with the port actually bound."""
-        host, port = self.server_address[:2]
-        host = host.decode() if isinstance(host, bytes) else host
-        return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+        return f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}/"
+
+    def start(self) -> RewardServer:
+        """Bind, build the reward in LitServe's worker and return once ``GET /health`` answers.
+
+        Raises:
+            OSError: the port cannot be bound.
+            ValueError: the reward cannot be built (unknown name, bad ``reward_args``, ...): one line saying why.
+            RuntimeError: LitServe stopped before serving.
+        """
+        self.port = _free_port(self.host, self.port)
+        self._thread = threading.Thread(target=self._run, name=f"reward-server-{self.reward_name}", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # before multiprocessing's own exit, which would wait for the worker forever
+        while not self._healthy():  # LitServe starts uvicorn once its worker has built the reward
+            if self._setup_errors.poll():
+                self._stopped.wait(timeout=30)  # LitServe stops on its own once the worker reports the failure
+                raise ValueError(self._setup_errors.recv())
+            if self._stopped.is_set():
+                raise RuntimeError(f"LitServe stopped before serving: {self._failure!r}")
+            workers = getattr(self._server, "inference_workers", None) or []
+            gone = [p.exitcode for p in workers if p.exitcode is not None]
+            if gone and not self._setup_errors.poll(0.5):  # a setup failure's message may still be on its way
+                raise RuntimeError(f"the reward worker exited (code {gone[0]}) before serving")
+            time.sleep(0.05)
+        self._serving = True
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._server.run(
+                host=self.host,
+                port=self.port,
+                num_api_servers=1,
+                log_level="error",  # uvicorn's and LitServe's: one line per request would drown a training log
+                generate_client_file=False,
+                api_server_worker_type="process",
+                http=self._protocol,
+                timeout_keep_alive=self.read_timeout_s,
+                access_log=False,
+            )
+        except BaseException as err:  # start() reports it
+            self._failure = err
+        finally:
+            self._stopped.set()
+
+    def _healthy(self) -> bool:
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        conn = http.client.HTTPConnection(host, self.port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            reply = conn.getresponse()
+            return reply.status == 200 and json.loads(reply.read()).get("reward") == self.reward_name
+        except (OSError, http.client.HTTPException, ValueError):
+            return False
+        finally:
+            conn.close()
+
+    def wait(self) -> None:
+        """Block until the server stops (LitServe stops it when its worker dies)."""
+        while self._thread is not None and not self._stopped.wait(timeout=0.5):
+            pass
 
     def close(self) -> None:
-        """Stop serving (if started by :func:`serve`) and release the socket."""
-        if self.thread is not None:
-            self.shutdown()
-            self.thread.join(timeout=5)
-            self.thread = None
-        self.server_close()
-        self.batcher.close()
+        """Stop serving: the HTTP front, the worker and LitServe's queue manager."""
+        shutdown = getattr(self._server, "_shutdown_event", None)  # set by LitServer.run; what its own stop waits on
+        if self._thread is not None and not self._stopped.is_set() and shutdown is not None:
+            # LitServe's worker monitor polls the queue manager that its shutdown stops: its crash on the closed
+            # connection is the shutdown, not an error.
+            logging.getLogger("litserve.server").addFilter(_monitor_after_shutdown)
+            shutdown.set()
+            # Serving, LitServe stops within uvicorn's grace period; before serving (a worker that died while
+            # starting) it waits for a worker that will never be ready, and only the process's exit ends it.
+            self._stopped.wait(timeout=self.read_timeout_s + 30 if self._serving else 5)
+        atexit.unregister(self.close)
+        self._thread, self._serving = None, False
 
 
-class _Refused(Exception):
-    """A request refused before it reaches the reward: the HTTP status and what was wrong."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
+def _monitor_after_shutdown(record: logging.LogRecord) -> bool:
+    """Drops LitServe's "Monitoring worker crashed" when the crash is the queue manager's connection closing."""
+    error = record.exc_info[1] if record.exc_info else None
+    return not (record.getMessage() == "Monitoring worker crashed" and isinstance(error, EOFError | OSError))
 
 
-class _RewardHandler(BaseHTTPRequestHandler):
-    server: RewardHTTPServer
-    _in: DeadlineSocket  # the connection under rfile, with the deadline of what is being read
-    protocol_version = "HTTP/1.1"
-    # Errors found in the request line itself (a garbled line) get a status line and headers too; the
-    # base class would answer them as HTTP/0.9, a bare body without any status.
-    default_request_version = "HTTP/1.0"
-
-    @property  # type: ignore[override]
-    def timeout(self) -> float:
-        # StreamRequestHandler.setup applies it to the connection; reads then get their own deadline (below),
-        # so it bounds only writes made outside _reply, such as a "100 Continue".
-        return self.server.read_timeout_s
-
-    def setup(self) -> None:
-        super().setup()
-        # Every read (request line, headers, body) waits only until the deadline of what it reads: the socket
-        # timeout alone bounds each read, and a client sending a byte at a time could hold this thread forever.
-        self.rfile.close()  # the base class's reader, nothing read from it yet
-        self._in = DeadlineSocket(self.connection, time.monotonic() + self.server.read_timeout_s)
-        self.rfile = self._in.makefile("rb")
-
-    def handle_one_request(self) -> None:
-        # The request line and headers must be in within read_timeout_s of the previous reply (or of
-        # connecting); past it the read raises TimeoutError, on which the base class closes the connection.
-        self._in.deadline = time.monotonic() + self.server.read_timeout_s
-        super().handle_one_request()
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class names it so
-        pass  # one line per request would drown a training log; errors still go back to the client
-
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode("utf-8")
-        # Writing the reply is bounded too: a client that stops reading cannot hold this thread.
-        self.connection.settimeout(self.server.read_timeout_s)
-        try:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if status >= 400:
-                # After an error the rest of the request may be unread: closing keeps it from ever being
-                # parsed as the next request on this connection.
-                self.send_header("Connection", "close")
-                self.close_connection = True
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
-        except OSError:  # the client went away or stopped reading; nobody is left to tell
-            self.close_connection = True
-
-    def _error(self, status: int, message: str) -> None:
-        self._reply(status, {"error": message})
-
-    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
-        """The base class's errors (bad request line, unsupported method, oversized headers) as JSON too."""
-        short, long = self.responses.get(code, ("error", ""))
-        self._error(code, f"{message or short}" + (f": {explain}" if explain else f": {long}" if long else ""))
-
-    def handle_expect_100(self) -> bool:
-        # A client that waits for "100 Continue" learns of a refused length before sending the body.
-        try:
-            self._declared_length()
-        except _Refused as err:
-            self._error(err.status, err.message)
-            return False
-        return super().handle_expect_100()
-
-    def do_GET(self) -> None:  # noqa: N802 - BaseHTTPRequestHandler's naming
-        if self.path.rstrip("/") == "/health":
-            self._reply(200, {"status": "ok", "reward": self.server.reward_name})
-        else:
-            self._error(404, f"unknown path {self.path!r}; POST samples to score, GET /health")
-
-    def do_POST(self) -> None:  # noqa: N802
-        try:
-            prompts, refined, images, metadata = self._parse(self._read_body())
-        except _Refused as err:
-            self._error(err.status, err.message)
-            return
-        except Exception as err:  # a bug here must still answer, and in JSON
-            self._error(500, f"the server failed reading the request: {type(err).__name__}: {err}")
-            return
-        scores, error = self.server.batcher.score(prompts, refined, images, metadata)
-        if error is not None:  # the reward failed on this request: 500, which the client may retry
-            self._error(500, error)
-            return
-        self._reply(200, {"scores": scores})
-
-    def _declared_length(self) -> int:
-        if "Transfer-Encoding" in self.headers:
-            raise _Refused(411, "chunked request bodies are not accepted; send a Content-Length header")
-        lengths = self.headers.get_all("Content-Length") or []
-        if not lengths:
-            raise _Refused(411, "a Content-Length header is required")
-        text = lengths[0].strip()
-        if len(set(lengths)) > 1 or not (text.isascii() and text.isdigit()):
-            raise _Refused(400, f"bad Content-Length {', '.join(lengths)!r}")
-        length = int(text)
-        if length > self.server.max_body_bytes:
-            raise _Refused(413, f"the body of {length} bytes is over the limit of {self.server.max_body_bytes} bytes")
-        return length
-
-    def _read_body(self) -> bytes:
-        length = self._declared_length()
-        self._in.deadline = time.monotonic() + self.server.read_timeout_s  # one deadline for the whole body
-        chunks, got = [], 0
-        while got < length:
-            try:
-                chunk = self.rfile.read1(min(length - got, _READ_CHUNK))
-            except TimeoutError:
-                late = f"the body did not arrive within {self.server.read_timeout_s:g} s ({got} of {length} bytes)"
-                raise _Refused(408, late) from None
-            if not chunk:
-                raise _Refused(400, f"the body ended after {got} of {length} bytes")
-            chunks.append(chunk)
-            got += len(chunk)
-        return b"".join(chunks)
-
-    def _parse(self, body: bytes) -> tuple[list[str], list[str], Tensor, list[Metadata] | None]:
-        try:
-            request = json.loads(body)
-        except RecursionError:
-            raise _Refused(400, "bad request: the JSON is nested too deeply") from None
-        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
-            raise _Refused(400, f"bad request: not JSON ({err})") from None
-        if not isinstance(request, dict):
-            raise _Refused(400, f"bad request: expected a JSON object, got {type(request).__name__}")
-        missing = [key for key in ("prompts", "refined_prompts", "images") if key not in request]
-        if missing:
-            raise _Refused(400, f"bad request: missing key {', '.join(map(repr, missing))}")
-        prompts, refined = request["prompts"], request["refined_prompts"]
-        for key, value in (("prompts", prompts), ("refined_prompts", refined)):
-            if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
-                raise _Refused(400, f"bad request: {key!r} must be a list of strings")
-        # Checked before the images are decoded: a wrong metadata list costs no decoding. Null means none.
-        metadata = request.get("metadata")
-        if metadata is not None:
-            try:
-                check_metadata(metadata, len(prompts))
-            except ValueError as err:
-                raise _Refused(400, f"bad request: {err}") from None
-        try:
-            images = decode_images(request["images"], self.server.max_image_pixels, self.server.max_total_pixels)
-        except ImageTooLarge as err:
-            raise _Refused(413, f"image too large: {err}") from None
-        except ValueError as err:
-            raise _Refused(400, f"bad request: {err}") from None
-        if not len(prompts) == len(refined) == images.shape[0]:
-            raise _Refused(
-                400,
-                f"bad request: {len(prompts)} prompts, {len(refined)} refined prompts and {images.shape[0]} "
-                "images differ",
-            )
-        return prompts, refined, images, metadata
+def _free_port(host: str, port: int) -> int:
+    """``port``, or a free one for 0, after checking it can be bound (uvicorn would exit the process instead)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+        sock.bind((host, port))
+        return sock.getsockname()[1]
 
 
 def serve(
@@ -282,42 +261,41 @@ def serve(
     read_timeout_s: float = READ_TIMEOUT_S,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_total_pixels: int = MAX_TOTAL_PIXELS,
-) -> RewardHTTPServer:
-    """Start serving ``reward_name`` (registry name or dotted path) in a background thread.
+) -> RewardServer:
+    """Start serving ``reward_name`` (registry name or dotted path) in the background (:class:`RewardServer`).
 
     Returns the running server: ``server.url`` is where to POST (port 0 binds a free port) and
-    ``server.close()`` stops it. ``max_batch_size`` and ``batch_wait_s`` bound the batching of
-    concurrent requests (:class:`RequestBatcher`); the other limits are :class:`RewardHTTPServer`'s.
+    ``server.close()`` stops it.
     """
-    server = RewardHTTPServer(
-        (host, port),
-        resolve_reward(reward_name, reward_args),
+    return RewardServer(
         reward_name,
+        reward_args,
+        host,
+        port,
         max_batch_size,
         batch_wait_s,
         max_body_bytes,
         read_timeout_s,
         max_image_pixels,
         max_total_pixels,
-    )
-    # A short poll interval makes close() return quickly (shutdown waits for the next poll).
-    server.thread = threading.Thread(
-        target=server.serve_forever, kwargs={"poll_interval": 0.1}, name=f"reward-server-{reward_name}", daemon=True
-    )
-    server.thread.start()
-    return server
+    ).start()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Command line: serve one reward until interrupted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reward", required=True, help="registry name (e.g. brightness, ocr) or dotted path")
-    parser.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 for all; no auth!)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="interface to bind: 127.0.0.1, or 0.0.0.0 or :: for all (no auth!)"
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--reward-args", default="{}", help="constructor kwargs as JSON, e.g. '{\"channel\": 0}'")
     parser.add_argument("--max-batch", type=int, default=64, help="most samples per reward call across requests")
     parser.add_argument(
-        "--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for more concurrent requests"
+        "--batch-wait-ms",
+        type=float,
+        default=5.0,
+        help="how long LitServe collects concurrent requests into one batch",
     )
     parser.add_argument(
         "--max-body-mb",
@@ -358,14 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     if not isinstance(reward_args, dict):
         fail(f"--reward-args must be a JSON object of constructor kwargs, got {args.reward_args!r}")
     try:
-        reward = resolve_reward(args.reward, reward_args)
-    except (ValueError, TypeError, ImportError, OSError) as err:
-        fail(f"cannot start reward {args.reward!r}: {err}")
-    try:
-        server = RewardHTTPServer(
-            (args.host, args.port),
-            reward,
+        server = RewardServer(
             args.reward,
+            reward_args,
+            args.host,
+            args.port,
             max_batch_size=args.max_batch,
             batch_wait_s=args.batch_wait_ms / 1000,
             max_body_bytes=int(args.max_body_mb * 2**20),
@@ -373,18 +348,30 @@ def main(argv: list[str] | None = None) -> None:
             max_image_pixels=args.max_image_pixels,
             max_total_pixels=args.max_request_pixels,
         )
+    except (ValueError, ImportError) as err:
+        fail(str(err))
+    try:
+        server.start()
     except ValueError as err:
+        server.close()
         fail(str(err))
     except OSError as err:
         fail(f"cannot listen on {args.host}:{args.port}: {err}")
+    except RuntimeError as err:
+        server.close()
+        fail(str(err))
     print(f"serving reward {args.reward!r} at {server.url} (GET {server.url}health)", flush=True)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does
+
+    signal.signal(signal.SIGTERM, stop)  # after start: LitServe's processes keep their own handlers
     try:
-        server.serve_forever()
+        server.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        server.batcher.close()
+        server.close()
 
 
 if __name__ == "__main__":

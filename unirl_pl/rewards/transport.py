@@ -162,7 +162,11 @@ def post(
         except _Retryable as err:
             last, status, asked = str(err), err.status, err.retry_after
         except TimeoutError:  # a socket timeout, or the deadline passing between two reads
-            cut = f" (cut to {deadline - began:.2f} s by the time budget)" if deadline < began + deadline_s else ""
+            cut = (
+                f" (this attempt cut to {deadline - began:.2f} s by the {budget:g} s time budget, total_s)"
+                if deadline < began + deadline_s
+                else ""
+            )
             last, status = f"TimeoutError: no complete reply within the {deadline_s:g} s deadline{cut}", None
         except (OSError, http.client.HTTPException) as err:  # refused, reset, dropped, malformed reply
             last, status = f"{type(err).__name__}: {err}".rstrip(": "), None

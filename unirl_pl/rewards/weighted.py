@@ -92,6 +92,13 @@ class WeightedSum:
             if stray:
                 raise ValueError(f"reward_args given for rewards not in the weights: {sorted(stray)}")
             named = dict(weights)
+            negative = {n: w for n, w in named.items() if is_real(w) and w < 0}
+            if negative:
+                raise ValueError(
+                    f"negative reward weights {negative}: a negative weight trains the run to lower the reward. For a "
+                    "penalty term give it as a component with allow_negative: true (rewards: [{reward: {class_path: "
+                    "...}, weight: -1.0, allow_negative: true}]); else give weights >= 0"
+                )
         else:
             if reward_args:
                 raise ValueError(

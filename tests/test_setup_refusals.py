@@ -1,0 +1,109 @@
+"""Settings refused in one line on the command line, before training, where a traceback used to come first.
+
+Issue 41 (item 6, a reliability run) found clear messages printed after a 40-59 line traceback: checks that ran
+inside Lightning's fit (``configure_model``, a callback hook, ``on_load_checkpoint``) raised a plain
+``ValueError``, which the command line only turns into its one-line refusal while it parses and builds the
+recipe. The algorithms' rollout checks and the EMA's components are now checked when the module is built from
+the recipe, and a resume that changes the run (the EMA included) raises the project's ``InputError``. Each case
+runs the main recipe as a user would, in a subprocess.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import JOINT, ROOT, subprocess_env
+
+pytestmark = pytest.mark.integration
+
+EMA_OVERLAY = str(ROOT / "recipes" / "overlays" / "two_updates_ema.yaml")
+ALGORITHMS = ROOT / "recipes" / "algorithms"
+# Cheap runs: no validation, two prompts per step.
+CHEAP = (
+    "--trainer.num_sanity_val_steps=0",
+    "--trainer.limit_val_batches=0",
+    "--data.init_args.prompts_per_step=2",
+)
+
+
+def _fit(save_dir: Path, *args: str, max_steps: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "unirl_pl", "fit", "--config", JOINT, *args, f"--trainer.max_steps={max_steps}"]
+    cmd += [f"--trainer.logger.init_args.save_dir={save_dir}", *CHEAP]
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+
+
+def _refused(proc: subprocess.CompletedProcess, *named: str) -> str:
+    """The one ``error:`` line of a refused run, checked to name every string of ``named``, with no traceback."""
+    err = proc.stderr
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert len(lines) == 1 and all(n in lines[0] for n in named), err[-3000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "setting"),
+    [
+        (
+            ("--config", EMA_OVERLAY, "--model.init_args.ema.init_args.components=[vae]"),
+            "model.ema.init_args.components",
+        ),
+        (
+            (
+                "--config",
+                EMA_OVERLAY,
+                "--model.init_args.ema.init_args.components=[llm]",
+                "--model.init_args.mode=generator_only",
+            ),
+            "model.ema.init_args.components",
+        ),
+        (
+            ("--config", str(ALGORITHMS / "dapo_published.yaml"), "--model.init_args.rollout.max_new_tokens=2"),
+            "model.rollout.max_new_tokens",
+        ),
+        (
+            ("--config", str(ALGORITHMS / "flow_grpo_fast_published.yaml"), "--model.init_args.rollout.num_steps=4"),
+            "model.rollout.num_steps",
+        ),
+    ],
+    ids=["ema_vae", "ema_llm_generator_only", "dapo_max_new_tokens", "flow_grpo_fast_num_steps"],
+)
+def test_a_setting_the_run_cannot_use_is_refused_in_one_line_before_training(tmp_path, args, setting):
+    _refused(_fit(tmp_path, *args), setting)
+    assert not list(tmp_path.rglob("*.ckpt")), "refused before the first step"
+
+
+@pytest.fixture(scope="module")
+def ema_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
+    """(the run folder, its last.ckpt) of one step of the main recipe with an EMA of both experts."""
+    root = tmp_path_factory.mktemp("ema_resume")
+    proc = _fit(root, "--model.init_args.ema=unirl_pl.callbacks.EMA")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (ckpt,) = root.rglob("last.ckpt")
+    return root, ckpt
+
+
+@pytest.mark.parametrize(
+    ("args", "changed"),
+    [
+        ((), "ema: checkpoint='on' now='off'"),
+        (
+            (
+                "--model.init_args.ema=unirl_pl.callbacks.EMA",
+                "--model.init_args.ema.init_args.components=[transformer]",
+            ),
+            "ema.components: checkpoint=['llm', 'transformer'] now=['transformer']",
+        ),
+        (("--model.init_args.ema=unirl_pl.callbacks.EMA", "--model.init_args.ema.init_args.decay=0.5"), "ema.decay"),
+    ],
+    ids=["ema_dropped", "ema_components_changed", "ema_decay_changed"],
+)
+def test_a_resume_that_drops_or_changes_the_ema_is_refused_in_one_line(ema_checkpoint, args, changed):
+    """Dropping the EMA used to resume silently without it; changing its components ended in a traceback."""
+    root, ckpt = ema_checkpoint
+    line = _refused(_fit(root, *args, f"--ckpt_path={ckpt}", max_steps=2), changed, "model.ema", str(ckpt))
+    assert "differently configured run" in line
