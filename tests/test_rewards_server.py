@@ -15,6 +15,7 @@ import base64
 import importlib
 import io
 import json
+import os
 import select
 import signal
 import socket
@@ -191,15 +192,16 @@ def _free_port() -> int:
 
 
 def _line(stream: Any, timeout_s: float) -> bytes:
-    """The first line of ``stream`` (a pipe), or what arrived before ``timeout_s`` passed or it closed."""
+    """The first line of ``stream`` (a pipe), or what arrived before ``timeout_s`` passed or it closed. Read from
+    the file descriptor: a buffered read would take more than the line, out of select's sight."""
     got = b""
     deadline = time.monotonic() + timeout_s
-    while not got.endswith(b"\n") and select.select([stream], [], [], max(deadline - time.monotonic(), 0))[0]:
-        byte = stream.read(1)
-        if not byte:
+    while b"\n" not in got and select.select([stream], [], [], max(deadline - time.monotonic(), 0))[0]:
+        chunk = os.read(stream.fileno(), 4096)
+        if not chunk:
             break
-        got += byte
-    return got
+        got += chunk
+    return got.partition(b"\n")[0] + b"\n" if b"\n" in got else got
 
 
 @pytest.mark.integration
@@ -213,18 +215,22 @@ def test_serve_reward_serves_a_registered_and_a_dotted_path_reward(reward: str, 
         [*cmd, "--port", str(port)], cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     url = f"http://127.0.0.1:{port}/"
+    serving = f"serving reward {reward!r} at {url} (GET {url}health)"
+    images, scores = _images(3, seed=5, size=16), None
     try:
-        line = _line(proc.stdout, timeout_s=300).decode()  # printed once GET /health answers
-        if line.strip() != f"serving reward {reward!r} at {url} (GET {url}health)":
-            proc.kill()
-            pytest.fail(f"no serving line: {line!r}; stderr: {proc.communicate(timeout=60)[1].decode()[-3000:]}")
-        images = _images(3, seed=5, size=16)
-        scores = HTTPReward(url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(["a"] * 3, ["b"] * 3, images)
-        assert scores == pytest.approx(Brightness()([""] * 3, [""] * 3, images), abs=1e-6)
+        line = _line(proc.stdout, timeout_s=300).decode().strip()  # printed once GET /health answers
+        if line == serving:
+            scores = HTTPReward(url, timeout_s=GOOD_TIMEOUT_S, max_retries=0)(["a"] * 3, ["b"] * 3, images)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # stops as Ctrl-C does: the worker and LitServe's processes too
-        _, err = proc.communicate(timeout=120)
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert line == serving, (line, err.decode()[-3000:])
+    assert scores == pytest.approx(Brightness()([""] * 3, [""] * 3, images), abs=1e-6)
     assert proc.returncode == 0 and b"Traceback" not in err, err.decode()[-3000:]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=5).close()  # nothing listens any more
