@@ -268,7 +268,8 @@ def test_recipe_cpu_block_trains_both_experts_and_exports_for_wan_pipeline(tmp_p
     assert max(series(rows, "c2/llm_max_abs_diff")) <= 1e-5
     assert series(rows, "parity/transformer_max_abs_diff") == [0.0]
     module, generator = cli.model, cli.model.generator
-    assert module.ledger["transformer"] == 2, "one weight version for both experts"
+    updates = module.losses["transformer"].mini_batches  # the recipe's updates per rollout
+    assert module.ledger["transformer"] == 2 * updates, "one weight version for both experts, one per update"
     # The block's window [2, 4) of 4 steps at the recipe's shift 12 spans the boundary: the shift replaces
     # UniPC's flow_shift, sigmas 1, .973, .923, .8006, 0 (schedule.json lists them).
     assert "--model.generator_algorithm.init_args.sde_window=[2,4]" in block and "--model.rollout.num_steps=4" in block
