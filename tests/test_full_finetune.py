@@ -110,7 +110,7 @@ def _references(cli) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_full_fit_moves_every_weight_and_resumes_bit_exact(tmp_path):
+def test_full_fit_moves_every_weight_and_resumes_bit_exact(tmp_path, capsys):
     """Both experts fully trained: every trained tensor moves, the frozen copies do not, the KL is 0 at the
     first step and above 0 after it; a checkpoint holds no copy, and a resume equals the straight run."""
     from unirl_pl.cli import main
@@ -153,9 +153,12 @@ def test_full_fit_moves_every_weight_and_resumes_bit_exact(tmp_path):
     assert max(diffs.values()) == 0.0, max(diffs.items(), key=lambda kv: kv[1])
     assert all(torch.equal(end_refs[k], v) for k, v in _references(resumed).items())
 
-    # The same checkpoint under LoRA is another run: refused before it trains.
-    with pytest.raises(ValueError, match=r"llm\.finetune: checkpoint='full' now='lora'"):
+    # The same checkpoint under LoRA is another run: refused in one line before it trains.
+    with pytest.raises(SystemExit) as refusal:
         run_cli(tmp_path, "--trainer.max_steps=4", *FAST, FULL[1], f"--ckpt_path={ckpt}", name="lora")
+    assert refusal.value.code == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: the checkpoint") and "llm.finetune: checkpoint='full' now='lora'" in line
 
 
 @pytest.mark.slow
