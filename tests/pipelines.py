@@ -295,18 +295,19 @@ def make_flux2_klein_pipeline(path: str | Path, distilled: bool = False, seed: i
     return Path(path)
 
 
-def _wan_transformer(in_channels: int = 4) -> WanTransformer3DModel:
-    """A one-layer ``WanTransformer3DModel`` (patch (1, 2, 2), width 24, text width 32); seed the caller."""
+def _wan_transformer(in_channels: int = 4, num_layers: int = 1, head_dim: int = 12) -> WanTransformer3DModel:
+    """A ``WanTransformer3DModel`` of ``num_layers`` layers (patch (1, 2, 2), 2 heads of ``head_dim``: width 24 by
+    default, text width 32); seed the caller."""
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
-        attention_head_dim=12,
+        attention_head_dim=head_dim,
         in_channels=in_channels,
         out_channels=in_channels,
         text_dim=32,
         freq_dim=32,
         ffn_dim=32,
-        num_layers=1,
+        num_layers=num_layers,
         rope_max_seq_len=32,
     )
 
@@ -331,6 +332,8 @@ def _save_wan(
     vae: dict,
     *,
     in_channels: int = 4,
+    num_layers: int = 1,
+    head_dim: int = 12,
     two_experts: bool = False,
     scheduler: object = None,
     **config: object,
@@ -338,13 +341,13 @@ def _save_wan(
     """Build the Wan parts from one seeded stream (transformer, UMT5, VAE, then ``transformer_2`` when
     ``two_experts``, so it differs from the first), assemble ``WanPipeline`` with the pipeline ``config``
     (``boundary_ratio``, ``expand_timesteps``) and ``scheduler`` (default: flow-matching Euler, shift 3)
-    and save it."""
+    and save it. ``in_channels``, ``num_layers`` and ``head_dim`` shape the transformer(s)."""
     with seeded_cpu_init(seed):
-        transformer = _wan_transformer(in_channels)
+        transformer = _wan_transformer(in_channels, num_layers, head_dim)
         text_encoder = UMT5EncoderModel(_t5_config(UMT5Config, 32)).eval()
         parts = {"vae": AutoencoderKLWan(**vae).eval()}
         if two_experts:
-            parts["transformer_2"] = _wan_transformer(in_channels)
+            parts["transformer_2"] = _wan_transformer(in_channels, num_layers, head_dim)
     pipe = WanPipeline(
         tokenizer=t5_tokenizer(),
         text_encoder=text_encoder,
@@ -367,9 +370,10 @@ WAN22_BOUNDARY_RATIO = 0.875
 """Wan2.2-T2V-A14B's ``boundary_ratio``: the high-noise expert denoises timesteps >= 875 of 1000."""
 
 
-def wan22_scheduler() -> UniPCMultistepScheduler:
-    """The scheduler Wan2.2-T2V-A14B-Diffusers ships: UniPC on flow sigmas, flow prediction, flow_shift 3."""
-    return UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=3.0)
+def wan22_scheduler(flow_shift: float = 3.0) -> UniPCMultistepScheduler:
+    """The scheduler the Wan2.2 Diffusers folders ship: UniPC on flow sigmas, flow prediction, ``flow_shift`` 3
+    (T2V-A14B) or :data:`WAN22_TI2V_FLOW_SHIFT` (TI2V-5B)."""
+    return UniPCMultistepScheduler(use_flow_sigmas=True, prediction_type="flow_prediction", flow_shift=flow_shift)
 
 
 def make_wan22_pipeline(
@@ -386,22 +390,42 @@ def make_wan22_pipeline(
     return _save_wan(path, seed, _WAN21_VAE, two_experts=True, scheduler=scheduler, boundary_ratio=boundary_ratio)
 
 
+# Wan2.2-TI2V-5B's VAE layout (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json, as diffusers'
+# scripts/convert_wan_to_diffusers.py writes it: residual blocks, a 2x2 pixel patchify to 12 channels, three
+# downsamplings of which the last two are temporal, so 16x spatial and 4x temporal compression, 48 latent channels)
+# at a tiny width (base 8 where the real one has 160 and 256); non-trivial per-channel statistics, so that decode's
+# un-normalisation is exercised on all 48 channels.
+WAN22_TI2V_VAE = {
+    "base_dim": 8,
+    "decoder_base_dim": 8,
+    "z_dim": 48,
+    "dim_mult": [1, 2, 2, 2],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+    "dropout": 0.0,
+    "is_residual": True,
+    "in_channels": 12,
+    "out_channels": 12,
+    "patch_size": 2,
+    "scale_factor_temporal": 4,
+    "scale_factor_spatial": 16,
+    "latents_mean": [round(0.05 * (i % 9 - 4), 2) for i in range(48)],
+    "latents_std": [round(0.4 + 0.1 * (i % 13), 2) for i in range(48)],
+}
+WAN22_TI2V_FLOW_SHIFT = 5.0
+"""The ``flow_shift`` of Wan2.2-TI2V-5B-Diffusers' UniPC scheduler (diffusers' conversion script sets 5.0 for TI2V)."""
+
+
 def make_wan22_ti2v_pipeline(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny Wan2.2-TI2V-5B-style ``WanPipeline`` and return it: ``expand_timesteps`` (one timestep
-    per latent token) and the Wan2.2 VAE layout (residual blocks and a 2x2 pixel patchify inside the VAE,
-    so 8x spatial compression from two downsamplings; 8 latent channels where the real one has 48)."""
-    vae = {
-        **_WAN21_VAE,
-        "z_dim": 8,
-        "latents_mean": [0.1, -0.2, 0.3, 0.0, 0.2, -0.1, 0.0, 0.4],
-        "latents_std": [1.5, 0.5, 2.0, 1.0, 1.2, 0.8, 1.1, 0.9],
-        "is_residual": True,
-        "in_channels": 12,
-        "out_channels": 12,
-        "patch_size": 2,
-        "scale_factor_spatial": 8,
-    }
-    return _save_wan(path, seed, vae, in_channels=8, expand_timesteps=True)
+    """Save a tiny Wan2.2-TI2V-5B-style ``WanPipeline`` in the published layout and return it: one transformer
+    (2 layers of width 32, 48 latent channels in and out), ``expand_timesteps: true`` in ``model_index.json`` (one
+    timestep per latent token), the Wan2.2 VAE layout (:data:`WAN22_TI2V_VAE`: 48 channels, 16x spatial, 4x
+    temporal), the UniPC scheduler the real folder ships (flow shift 5) and the UMT5 of the other Wan builders.
+    Sizes: multiples of 32 pixels (16x VAE, 2x2 patches), ``num_frames`` 1 + 4k."""
+    scheduler = wan22_scheduler(WAN22_TI2V_FLOW_SHIFT)
+    shape = {"in_channels": 48, "num_layers": 2, "head_dim": 16}
+    return _save_wan(path, seed, WAN22_TI2V_VAE, **shape, scheduler=scheduler, expand_timesteps=True)
 
 
 # Z-Image's scheduler (Tongyi-MAI/Z-Image and Z-Image-Turbo scheduler/scheduler_config.json): a fixed shift, 6.0 for

@@ -37,7 +37,7 @@ FAMILIES = (
 )  # fmt: skip
 SHIPPED_GPU_RECIPES = {
     "sd35", "sd35_ocr", "sd35_pickscore", "flux", "wan_t2v", "wan22_t2v", "promptrl_klein", "promptrl_flux",
-    "zimage", "zimage_turbo", "qwenimage",
+    "zimage", "zimage_turbo", "qwenimage", "wan22_ti2v",
 }  # fmt: skip
 
 

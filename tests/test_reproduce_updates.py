@@ -33,6 +33,7 @@ RECIPES = [
     "recipes/flux.yaml",
     "recipes/wan_t2v.yaml",
     "recipes/wan22_t2v.yaml",
+    "recipes/wan22_ti2v.yaml",
     "recipes/zimage.yaml",
     "recipes/zimage_turbo.yaml",
     "recipes/qwenimage.yaml",

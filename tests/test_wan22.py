@@ -2,8 +2,8 @@
 ``transformer_2`` switched at ``boundary_ratio`` loads both, each with its own LoRA; ``velocity`` routes
 each row as ``WanPipeline`` does (checked against the pipeline's own denoising loop); the reference
 policy, checkpoint trimming and FSDP sharding cover both; the recipe's CPU block trains both experts with
-C2 bitwise and exports adapters that ``WanPipeline.load_lora_weights`` loads. Also Wan2.2-TI2V-5B's
-layout (``expand_timesteps``, the patchifying VAE), against the pipeline's loop too."""
+C2 bitwise and exports adapters that ``WanPipeline.load_lora_weights`` loads. Wan2.2-TI2V-5B
+(``expand_timesteps``, the 48-channel VAE) is tests/test_wan22_ti2v.py's."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from tests.chat_lm import make_qwen2_chat_lm
 from tests.helpers import ROOT, read_metrics, series
-from tests.pipelines import WAN22_BOUNDARY_RATIO, make_wan22_pipeline, make_wan22_ti2v_pipeline, random_latents
+from tests.pipelines import WAN22_BOUNDARY_RATIO, make_wan22_pipeline, random_latents
 from unirl_pl.checkpoint import trim_frozen
 from unirl_pl.distributed import shard_experts
 from unirl_pl.export import main as export_main
@@ -194,33 +194,6 @@ def test_inconsistent_two_expert_index_is_refused(tmp_path: Path, index: dict, m
     (tmp_path / "model_index.json").write_text(json.dumps(full))
     with pytest.raises(ValueError, match=message):
         load_generator(tmp_path).build()
-
-
-# ------------------------------------------------------------------ Wan2.2-TI2V-5B
-def test_ti2v_5b_layout_matches_the_pipelines_loop(tmp_path: Path) -> None:
-    """One transformer, ``expand_timesteps`` (a timestep per latent token) and the Wan2.2 VAE that
-    patchifies 2x2 pixels (8x spatial compression here) load through the same surface."""
-    folder = make_wan22_ti2v_pipeline(tmp_path / "ti2v")
-    generator = _make(folder, height=32, width=32)
-    assert generator.expand_timesteps and generator.num_experts == 1 and generator.latent_shape == (8, 3, 4, 4)
-    pipe = WanPipeline.from_pretrained(str(folder))
-    x, cond = random_latents(generator.latent_shape, 1, seed=2), generator.encode(["a blue square"])
-    want = pipe(
-        prompt_embeds=cond["hidden"],
-        guidance_scale=1.0,
-        num_inference_steps=2,
-        latents=x.clone(),
-        output_type="latent",
-        height=32,
-        width=32,
-        num_frames=5,
-    ).frames
-    pipe.scheduler.set_timesteps(2)
-    sigmas, got = pipe.scheduler.sigmas.tolist(), x.clone()
-    for s, s_next in zip(sigmas[:-1], sigmas[1:], strict=True):
-        got = got + (s_next - s) * generator.velocity(got, s, cond)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert generator.decode(got).shape == (1, 5, 3, 32, 32)
 
 
 # ------------------------------------------------------------------ the recipe

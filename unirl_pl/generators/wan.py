@@ -72,8 +72,6 @@ class WanGenerator(FlowGenerator):
     default_lora_targets = ("to_q", "to_k", "to_v", "to_out.0")
     default_size = (480, 832, 81)
     default_max_sequence_length = 512
-    # Set from model_index.json by ``build()``.
-    expand_timesteps: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -82,9 +80,10 @@ class WanGenerator(FlowGenerator):
 
     # ------------------------------------------------------------------ the two experts
 
-    def _experts_config(self) -> tuple[float | None, int]:
-        """``(boundary_ratio, num_train_timesteps)`` of the folder, read once (works before ``build()``);
-        a two-expert folder must name both its transformer_2 and its boundary_ratio."""
+    def _experts_config(self) -> tuple[float | None, int, bool]:
+        """``(boundary_ratio, num_train_timesteps, expand_timesteps)`` of the folder, read once (works before
+        ``build()``, and on ``plan``'s fake generator, which never builds); a two-expert folder must name both its
+        transformer_2 and its boundary_ratio."""
         cached = self.__dict__.get("_experts_cache")
         if cached is None:
             index = read_model_index(self._folder())
@@ -106,7 +105,8 @@ class WanGenerator(FlowGenerator):
                 raise ValueError(f"{self.pipeline_path!r}: boundary_ratio must be in (0, 1), got {ratio}")
             file = Path(self._folder()) / "scheduler" / "scheduler_config.json"
             config = read_json_file(file) if file.is_file() else {}
-            cached = (None if ratio is None else float(ratio), int(config.get("num_train_timesteps", 1000)))
+            expand = bool(index.get("expand_timesteps", False))
+            cached = (None if ratio is None else float(ratio), int(config.get("num_train_timesteps", 1000)), expand)
             self.__dict__["_experts_cache"] = cached
         return cached
 
@@ -124,7 +124,7 @@ class WanGenerator(FlowGenerator):
         """Which expert ``velocity`` runs at each noise level in ``sigma`` (any shape, e.g. a record's
         ``sigma`` (S,) or (N, S)): ``HIGH_NOISE`` (0, ``transformer``) or ``LOW_NOISE`` (1,
         ``transformer_2``); all zeros for a one-transformer folder."""
-        ratio, timesteps = self._experts_config()
+        ratio, timesteps, _ = self._experts_config()
         return expert_for_sigma(torch.as_tensor(sigma), ratio, timesteps)
 
     @property
@@ -138,10 +138,14 @@ class WanGenerator(FlowGenerator):
         """The built transformers, high-noise first: what FSDP shards and the adapter export writes."""
         return [m for m in (self.model, self.model_2) if m is not None]
 
+    @property
+    def expand_timesteps(self) -> bool:
+        """The folder's ``expand_timesteps`` (Wan2.2 TI2V-5B): the transformer then takes one timestep per latent
+        token, shape (N, tokens), as ``WanPipeline.__call__`` builds it, rather than one per sample."""
+        return self._experts_config()[2]
+
     def _check_index(self, index: dict[str, Any]) -> None:
         self._experts_config()
-        # Wan2.2 TI2V-5B conditions on one timestep per latent token rather than per sample.
-        self.expand_timesteps = bool(index.get("expand_timesteps", False))
 
     def build(self) -> None:
         """Load the components as ``FlowGenerator.build`` does; a two-expert folder also loads
