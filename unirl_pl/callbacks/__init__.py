@@ -5,6 +5,7 @@ from unirl_pl.callbacks.c2 import LogProbIdentityCheck
 from unirl_pl.callbacks.cpu_clock import TrainCPUClock
 from unirl_pl.callbacks.ema import EMA
 from unirl_pl.callbacks.export import AdapterExport
+from unirl_pl.callbacks.hacking import RewardHackingMonitor
 from unirl_pl.callbacks.ledger import WeightVersionLedger
 from unirl_pl.callbacks.parity import InterleaveParityCheck
 from unirl_pl.callbacks.preemption import PreemptionCheckpoint
@@ -22,6 +23,7 @@ __all__ = [
     "LogProbIdentityCheck",
     "PreemptionCheckpoint",
     "RLProgressBar",
+    "RewardHackingMonitor",
     "RunCheckpoint",
     "RunSummary",
     "TrainCPUClock",

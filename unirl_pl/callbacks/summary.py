@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger
 from PIL import Image, ImageDraw, ImageFont
 
+from unirl_pl.callbacks.hacking import RewardHackingMonitor
 from unirl_pl.callbacks.writer import LINE_H, ValidationImages, log_image
 
 TRAIN_KEY, VAL_KEY = "reward/mean", "val/reward_mean"
@@ -166,7 +167,8 @@ class RunSummary(pl.Callback):
     The table: steps and time per step; ``reward/mean`` over the first and last ``window`` steps; the
     validation reward before RL (the sanity check's, when it ran; it says how many batches it scored
     when that is fewer than a full validation) and after the first and last validations; the worst
-    (largest) ``c2/*_max_abs_diff`` and ``parity/*_max_abs_diff`` the gates logged; the paths of
+    (largest) ``c2/*_max_abs_diff`` and ``parity/*_max_abs_diff`` the gates logged; with a
+    :class:`~unirl_pl.callbacks.RewardHackingMonitor`, its alarm count and every alarm with its step; the paths of
     ``metrics.csv`` (with a ``CSVLogger``), the checkpoints (named for what they are: ``last``, ``newest``,
     and ``best`` only when a metric is monitored), the validation image grids and the reward curve. The
     values are collected during the run (the rewards from ``trainer.callback_metrics``, the gates' from
@@ -292,6 +294,10 @@ class RunSummary(pl.Callback):
             worst = max(series[key], key=lambda sv: sv[1])
             checks = len(series[key])
             table.add_row(key, f"{worst[1]:.3g} worst (step {worst[0]}, {checks} check{'s' * (checks != 1)})")
+        for monitor in (cb for cb in trainer.callbacks if isinstance(cb, RewardHackingMonitor)):
+            table.add_row("hack/alarms", str(len(monitor.alarms)) if monitor.alarms else "0 (no alarm)")
+            for alarm in monitor.alarms:
+                table.add_row("hack alarm", alarm.describe())
         if path is not None:
             table.add_row("metrics.csv", str(path))
         for cb in trainer.checkpoint_callbacks:
