@@ -5,20 +5,21 @@ inside Lightning's fit (``configure_model``, a callback hook, ``on_load_checkpoi
 ``ValueError``, which the command line only turns into its one-line refusal while it parses and builds the
 recipe. The algorithms' rollout checks and the EMA's components are now checked when the module is built from
 the recipe, and a resume that changes the run (the EMA included) raises the project's ``InputError``. Each case
-runs the main recipe as a user would, in a subprocess.
+runs the main recipe's command line through ``unirl_pl.cli.main`` in this process (what ``python -m unirl_pl``
+calls) with the process's stderr captured at the file descriptor, so a traceback printed by any handler or
+logger is seen, and an exception that escapes the command line fails the test.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import JOINT, ROOT, subprocess_env
+from tests.helpers import JOINT, ROOT
+from unirl_pl.cli import main
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.slow  # each builds the main recipe (a few seconds); the fixture fits one step
 
 EMA_OVERLAY = str(ROOT / "recipes" / "overlays" / "two_updates_ema.yaml")
 ALGORITHMS = ROOT / "recipes" / "algorithms"
@@ -30,17 +31,22 @@ CHEAP = (
 )
 
 
-def _fit(save_dir: Path, *args: str, max_steps: int = 1) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "unirl_pl", "fit", "--config", JOINT, *args, f"--trainer.max_steps={max_steps}"]
-    cmd += [f"--trainer.logger.init_args.save_dir={save_dir}", *CHEAP]
-    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+def _fit(save_dir: Path, *args: str, max_steps: int = 1) -> int:
+    """``python -m unirl_pl fit --config recipes/joint.yaml ARGS`` (cheap) in this process; its exit status."""
+    argv = ["fit", "--config", JOINT, *args, f"--trainer.max_steps={max_steps}"]
+    argv += [f"--trainer.logger.init_args.save_dir={save_dir}", f"--trainer.default_root_dir={save_dir}", *CHEAP]
+    try:
+        main(argv)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    return 0
 
 
-def _refused(proc: subprocess.CompletedProcess, *named: str) -> str:
+def _refused(status: int, capfd: pytest.CaptureFixture[str], *named: str) -> str:
     """The one ``error:`` line of a refused run, checked to name every string of ``named``, with no traceback."""
-    err = proc.stderr
+    err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert proc.returncode != 0 and "Traceback" not in err, err[-3000:]
+    assert status == 2 and "Traceback" not in err, err[-3000:]
     assert len(lines) == 1 and all(n in lines[0] for n in named), err[-3000:]
     return lines[0]
 
@@ -72,8 +78,8 @@ def _refused(proc: subprocess.CompletedProcess, *named: str) -> str:
     ],
     ids=["ema_vae", "ema_llm_generator_only", "dapo_max_new_tokens", "flow_grpo_fast_num_steps"],
 )
-def test_a_setting_the_run_cannot_use_is_refused_in_one_line_before_training(tmp_path, args, setting):
-    _refused(_fit(tmp_path, *args), setting)
+def test_a_setting_the_run_cannot_use_is_refused_in_one_line_before_training(tmp_path, capfd, args, setting):
+    _refused(_fit(tmp_path, *args), capfd, setting)
     assert not list(tmp_path.rglob("*.ckpt")), "refused before the first step"
 
 
@@ -81,8 +87,7 @@ def test_a_setting_the_run_cannot_use_is_refused_in_one_line_before_training(tmp
 def ema_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
     """(the run folder, its last.ckpt) of one step of the main recipe with an EMA of both experts."""
     root = tmp_path_factory.mktemp("ema_resume")
-    proc = _fit(root, "--model.init_args.ema=unirl_pl.callbacks.EMA")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _fit(root, "--model.init_args.ema=unirl_pl.callbacks.EMA") == 0
     (ckpt,) = root.rglob("last.ckpt")
     return root, ckpt
 
@@ -102,8 +107,8 @@ def ema_checkpoint(tmp_path_factory) -> tuple[Path, Path]:
     ],
     ids=["ema_dropped", "ema_components_changed", "ema_decay_changed"],
 )
-def test_a_resume_that_drops_or_changes_the_ema_is_refused_in_one_line(ema_checkpoint, args, changed):
+def test_a_resume_that_drops_or_changes_the_ema_is_refused_in_one_line(ema_checkpoint, capfd, args, changed):
     """Dropping the EMA used to resume silently without it; changing its components ended in a traceback."""
     root, ckpt = ema_checkpoint
-    line = _refused(_fit(root, *args, f"--ckpt_path={ckpt}", max_steps=2), changed, "model.ema", str(ckpt))
+    line = _refused(_fit(root, *args, f"--ckpt_path={ckpt}", max_steps=2), capfd, changed, "model.ema", str(ckpt))
     assert "differently configured run" in line

@@ -109,7 +109,10 @@ def _fit_main(tmp_path: Path, overlay: str, *extra: str) -> list[dict[str, str]]
         f"--trainer.callbacks.dirpath={tmp_path / 'checkpoints'}",
         f"--trainer.logger.init_args.save_dir={tmp_path}",
         "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1",  # one held-out batch (120 prompts) shows validation runs sharded
+        # One small held-out batch (8 prompts, 4 a rank, one image each) shows validation runs sharded.
+        "--trainer.limit_val_batches=1",
+        "--data.val_batch_size=8",
+        "--data.val_images_per_prompt=1",
         *extra,
     )
     (path,) = tmp_path.glob("joint/version_*/metrics.csv")
