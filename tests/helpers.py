@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from unirl_pl.algorithms import DAPO, GSPO, TokenGRPO
 from unirl_pl.cli import main
@@ -71,3 +72,36 @@ def run_cli_subprocess(*args: str, cwd: Path = ROOT, timeout: int = 900) -> subp
     proc = subprocess.run(cmd, cwd=cwd, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
+
+
+def built_generator(folder: Path, family: type, tokens: int, size: dict[str, int], **overrides: object) -> Any:
+    """A family generator loaded from a tiny pipeline ``folder`` (float32, LoRA r 4 / alpha 8, ``tokens`` text
+    tokens, ``size``), checked to be of class ``family``, and built; ``overrides`` replace any of those."""
+    from unirl_pl.generators import load_generator
+
+    kwargs = {"dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "max_sequence_length": tokens, **size}
+    generator = load_generator(folder, **{**kwargs, **overrides})
+    assert isinstance(generator, family), type(generator)
+    generator.build()
+    return generator
+
+
+def fit_with_callbacks(tmp_path: Path, callbacks: list[Any], *overrides: str, ckpt_path: str | None = None):
+    """Fit the tiny recipe in this process with ``callbacks`` first in the trainer's line (no others, no progress
+    bar or model summary, logs under ``tmp_path``), resuming from ``ckpt_path`` when given; the CLI object."""
+    cli = main(
+        [
+            "--config",
+            TINY,
+            "--trainer.callbacks=[]",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}",
+            *overrides,
+        ],
+        run=False,
+    )
+    cli.trainer.callbacks[:0] = callbacks
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
+    return cli

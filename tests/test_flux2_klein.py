@@ -16,7 +16,7 @@ import yaml
 from diffusers import Flux2KleinPipeline
 
 from tests.chat_lm import make_qwen2_chat_lm
-from tests.helpers import ROOT, read_metrics, series
+from tests.helpers import ROOT, built_generator, read_metrics, series
 from tests.pipelines import KLEIN_TEXT_LAYERS, KLEIN_TEXT_WIDTH, make_flux2_klein_pipeline, random_latents
 from unirl_pl.cli import main
 from unirl_pl.generators import Flux2KleinGenerator, load_generator
@@ -28,11 +28,7 @@ TEXTS = ["a red cat on the left", "b", "two big blue squares"]
 
 
 def _generator(folder: Path, **overrides: object) -> Flux2KleinGenerator:
-    kwargs = {"dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "max_sequence_length": TOKENS, **SIZE}
-    generator = load_generator(folder, **{**kwargs, **overrides})
-    assert isinstance(generator, Flux2KleinGenerator)
-    generator.build()
-    return generator
+    return built_generator(folder, Flux2KleinGenerator, TOKENS, SIZE, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import torch
 
 import unirl_pl.loops.ar_decode as ar_decode_module
 import unirl_pl.loops.diffusion_denoise as diffusion_denoise_module
-from tests.helpers import ROOT, TINY, read_metrics, series
+from tests.helpers import ROOT, TINY, fit_with_callbacks, read_metrics, series
 from unirl_pl.callbacks import InterleaveParityCheck, LogProbIdentityCheck, WeightVersionLedger
 from unirl_pl.callbacks.c2 import PRECISION_TOLERANCES, LogProbIdentityError
 from unirl_pl.callbacks.parity import InterleaveParityError, ParityReport
@@ -510,24 +510,8 @@ class PerturbLoRA(pl.Callback):
 
 def fit(tmp_path, callbacks: list[pl.Callback], *overrides: str):
     """Fit the default recipe for the given callbacks (first in line) and return the CLI object."""
-    cli = main(
-        [
-            "--config",
-            TINY,
-            "--trainer.callbacks=[]",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.limit_val_batches=0",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.default_root_dir={tmp_path}",
-            *overrides,
-        ],
-        run=False,
-    )
-    cli.trainer.callbacks[:0] = callbacks
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return cli
+    flags = ("--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0")
+    return fit_with_callbacks(tmp_path, callbacks, *flags, *overrides)
 
 
 @pytest.mark.slow

@@ -11,9 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from tests.helpers import TINY, read_metrics, series
+from tests.helpers import fit_with_callbacks, read_metrics, series
 from unirl_pl.callbacks import RewardHackingMonitor, RunSummary
-from unirl_pl.cli import main
 from unirl_pl.method.experience import ExperienceSource
 from unirl_pl.records import Experience
 from unirl_pl.rewards import Reward, RewardTerm
@@ -88,23 +87,7 @@ class RollbackSpy(RewardHackingMonitor):
 
 
 def fit(tmp_path, callbacks, *overrides: str, ckpt_path: str | None = None):
-    cli = main(
-        [
-            "--config",
-            TINY,
-            "--trainer.callbacks=[]",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            "--trainer.limit_val_batches=0",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.default_root_dir={tmp_path}",
-            *overrides,
-        ],
-        run=False,
-    )
-    cli.trainer.callbacks[:0] = callbacks
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=ckpt_path)
-    return cli
+    return fit_with_callbacks(tmp_path, callbacks, "--trainer.limit_val_batches=0", *overrides, ckpt_path=ckpt_path)
 
 
 def test_a_healthy_run_raises_no_alarm(tmp_path):

@@ -25,9 +25,9 @@ import yaml
 from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, built_generator
 from tests.pipelines import QWENIMAGE_SCHEDULER, QWENIMAGE_TEXT_WIDTH, make_qwenimage_pipeline, random_latents
-from unirl_pl.generators import QwenImageGenerator, load_generator
+from unirl_pl.generators import QwenImageGenerator
 from unirl_pl.generators.qwenimage import QWENIMAGE_LORA_TARGETS, TEMPLATE_TOKENS
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.loops.diffusion_denoise import write_schedule
@@ -42,11 +42,7 @@ RECIPE = ROOT / "recipes" / "qwenimage.yaml"
 
 
 def _generator(folder: Path, **overrides: object) -> QwenImageGenerator:
-    kwargs = {"dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "max_sequence_length": TOKENS, **SIZE}
-    generator = load_generator(folder, **{**kwargs, **overrides})
-    assert isinstance(generator, QwenImageGenerator)
-    generator.build()
-    return generator
+    return built_generator(folder, QwenImageGenerator, TOKENS, SIZE, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import unirl_pl.algorithms.drivers as drivers
-from tests.helpers import ROOT, TINY, read_metrics, series, subprocess_env
+from tests.helpers import ROOT, TINY, fit_with_callbacks, read_metrics, series, subprocess_env
 from unirl_pl.algorithms.drivers import anchor_and_weights
 from unirl_pl.callbacks import LogProbIdentityCheck
 from unirl_pl.callbacks.c2 import LogProbIdentityError
@@ -215,24 +215,8 @@ class InjectMismatch(pl.Callback):
 
 
 def fit(tmp_path, gate: LogProbIdentityCheck, *overrides: str):
-    cli = main(
-        [
-            "--config",
-            TINY,
-            "--trainer.callbacks=[]",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            "--trainer.enable_checkpointing=false",
-            f"--trainer.logger.init_args.save_dir={tmp_path}",
-            f"--trainer.default_root_dir={tmp_path}",
-            *FAST,
-            *overrides,
-        ],
-        run=False,
-    )
-    cli.trainer.callbacks[:0] = [InjectMismatch(), gate]
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    return cli
+    flags = ("--trainer.enable_checkpointing=false", *FAST)
+    return fit_with_callbacks(tmp_path, [InjectMismatch(), gate], *flags, *overrides)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ import torch
 from diffusers import UniPCMultistepScheduler, WanPipeline
 
 from tests.chat_lm import make_qwen2_chat_lm
-from tests.helpers import ROOT, read_metrics, series
+from tests.helpers import ROOT, built_generator, read_metrics, series
 from tests.pipelines import WAN22_TI2V_FLOW_SHIFT, make_wan22_ti2v_pipeline, random_latents
 from unirl_pl.cli import main
 from unirl_pl.generators import WanGenerator, load_generator
@@ -33,11 +33,7 @@ TEXTS = ["a red cat on the left", "b", "two big blue squares"]
 
 
 def _generator(folder: Path, **overrides: object) -> WanGenerator:
-    kwargs = {"dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "max_sequence_length": TOKENS, **SIZE}
-    generator = load_generator(folder, **{**kwargs, **overrides})
-    assert isinstance(generator, WanGenerator)
-    generator.build()
-    return generator
+    return built_generator(folder, WanGenerator, TOKENS, SIZE, **overrides)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from diffusers import ZImagePipeline
 
 from tests.chat_lm import make_qwen2_chat_lm
-from tests.helpers import ROOT, read_metrics, series
+from tests.helpers import ROOT, built_generator, read_metrics, series
 from tests.pipelines import (
     ZIMAGE_SCHEDULER,
     ZIMAGE_TEXT_WIDTH,
@@ -38,11 +38,7 @@ TEXTS = ["a red cat on the left", "b", "two big blue squares"]
 
 
 def _generator(folder: Path, **overrides: object) -> ZImageGenerator:
-    kwargs = {"dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "max_sequence_length": TOKENS, **SIZE}
-    generator = load_generator(folder, **{**kwargs, **overrides})
-    assert isinstance(generator, ZImageGenerator)
-    generator.build()
-    return generator
+    return built_generator(folder, ZImageGenerator, TOKENS, SIZE, **overrides)
 
 
 @pytest.fixture(scope="module")
