@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 GiB = float(2**30)
+PRIM_DEVICE = torch.ops.prim.device.default
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,14 @@ class PlanMemTracker(MemTracker):
         # return one tensor; ``tree_map_only`` rebuilt every result) and the peak kept as ``_update_peak_stats``
         # keeps it. A ``DTensor`` operator runs as its local operators, which are tracked; a fake mode entered
         # after the tracker is DTensor's sharding propagation, whose tensors no rank holds.
+        if func is PRIM_DEVICE:
+            # A tensor's device, asked by the dispatcher on most operators (over half the calls of a trace): it
+            # allocates nothing, so it skips the bookkeeping below, and a fake tensor's is answered here as
+            # ``FakeTensorMode`` answers it (its ``fake_device`` outside a kernel) without the modes below.
+            tensor = args[0]
+            if isinstance(tensor, FakeTensor) and not tensor.fake_mode.in_kernel_invocation:
+                return tensor.fake_device
+            return func(*args, **(kwargs or {}))
         if any(t == DTensor for t in types):
             return NotImplemented
         if func is torch.ops._c10d_functional.wait_tensor.default and active_fake_mode():
@@ -214,6 +223,8 @@ class AllRowsReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is PRIM_DEVICE:  # most calls: answered below, with no value asked
+            return func(*args, **kwargs)
         aten = torch.ops.aten
         if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             tensor = args[0]
