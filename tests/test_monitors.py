@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from unirl_pl.callbacks import RewardHackingMonitor
-from unirl_pl.callbacks.hacking import Alarm
+from unirl_pl.callbacks.hacking import REFINEMENT_SIGNALS, Alarm, _mean_over_ranks
 from unirl_pl.monitors import (
     baseline,
     blank_fraction,
@@ -225,3 +226,41 @@ def test_monitor_refuses_bad_settings_in_one_line(kwargs, message):
     with pytest.raises(ValueError, match=message) as err:
         RewardHackingMonitor(**kwargs)
     assert "\n" not in str(err.value)
+
+
+class _TwoRanks:
+    """A trainer of two ranks whose other rank holds ``other``: ``strategy.reduce`` sums the two, as a gloo or
+    NCCL all-reduce would, in the layout ``_mean_over_ranks`` sends (values with NaN as 0, then the finite mask)."""
+
+    world_size = 2
+
+    def __init__(self, other: dict[str, float]) -> None:
+        values = torch.tensor(list(other.values()), dtype=torch.float64)
+        finite = torch.isfinite(values)
+        self.other = torch.stack([torch.where(finite, values, torch.zeros_like(values)), finite.double()])
+        self.strategy = self
+
+    def reduce(self, tensor: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        assert reduce_op == "sum"
+        return tensor + self.other
+
+
+def test_ranks_average_what_each_measured_and_a_signal_no_rank_measured_stays_nan() -> None:
+    module = SimpleNamespace(device=torch.device("cpu"))
+    mine = {"dark_frac": 0.3, "length": 12.0, "novel_share": math.nan}
+    other = {"dark_frac": 0.1, "length": math.nan, "novel_share": math.nan}
+    mean = _mean_over_ranks(_TwoRanks(other), module, mine)
+    assert mean["dark_frac"] == pytest.approx(0.2)
+    assert mean["length"] == 12.0, "a rank with nothing refined does not pull the mean to NaN or to 0"
+    assert math.isnan(mean["novel_share"])
+
+
+def test_a_rollout_with_nothing_refined_reports_every_refinement_signal_as_nan() -> None:
+    """So every rank reduces the same keys, whether or not its samples were refined."""
+    prompts = ["a red cube", "two blue balls"]
+    exp = SimpleNamespace(images=None, prompts=prompts, refined=list(prompts), text_index=torch.tensor([0, 1]))
+    values = RewardHackingMonitor(image_stats=False).measure(exp)
+    assert set(values) == set(REFINEMENT_SIGNALS) and all(math.isnan(v) for v in values.values())
+    exp.refined = ["a red cube, masterpiece", "two blue balls, masterpiece"]
+    values = RewardHackingMonitor(image_stats=False).measure(exp)
+    assert set(values) == set(REFINEMENT_SIGNALS) and all(math.isfinite(v) for v in values.values())

@@ -49,6 +49,7 @@ SIGNALS: dict[str, Signal] = {
     "recurring_phrase": Signal("up", 0.4, relative=False),
 }
 IMAGE_SIGNALS = ("dark_frac", "blank_frac", "saturated_frac", "high_freq", "colourfulness", "diversity")
+REFINEMENT_SIGNALS = ("length", "distinct_2", "novel_share", "recurring_phrase")
 
 
 @dataclass
@@ -157,6 +158,8 @@ class RewardHackingMonitor(pl.Callback):
             if pairs:
                 prompts, refined = zip(*pairs.values(), strict=True)
                 values |= refinement_stats(list(prompts), list(refined))
+            else:  # nothing refined here: NaN (no reading), so every rank reduces the same keys
+                values |= dict.fromkeys(REFINEMENT_SIGNALS, math.nan)
         return values
 
     def observe(self, values: dict[str, float], step: int) -> list[Alarm]:
@@ -289,9 +292,13 @@ class RewardHackingMonitor(pl.Callback):
 
 
 def _mean_over_ranks(trainer: pl.Trainer, pl_module: pl.LightningModule, values: dict[str, float]) -> dict[str, float]:
-    """``values`` averaged over ranks (every rank then acts on the same numbers); as they are on one process."""
+    """``values`` averaged over ranks, each over the ranks where it is not NaN (every rank then acts on the same
+    numbers; NaN where no rank measured it); as they are on one process."""
     if trainer.world_size == 1 or not values:
         return values
     local = torch.tensor(list(values.values()), dtype=torch.float64, device=pl_module.device)
-    mean = trainer.strategy.reduce(local, reduce_op="mean").cpu().tolist()
+    finite = torch.isfinite(local)
+    both = torch.stack([torch.where(finite, local, torch.zeros_like(local)), finite.double()])
+    total, count = trainer.strategy.reduce(both, reduce_op="sum").cpu()
+    mean = torch.where(count > 0, total / count.clamp(min=1), torch.full_like(total, math.nan)).tolist()
     return dict(zip(values, mean, strict=True))
