@@ -112,3 +112,20 @@ def test_a_resume_that_drops_or_changes_the_ema_is_refused_in_one_line(ema_check
     root, ckpt = ema_checkpoint
     line = _refused(_fit(root, *args, f"--ckpt_path={ckpt}", max_steps=2), capfd, changed, "model.ema", str(ckpt))
     assert "differently configured run" in line
+
+
+def test_source_image_rows_are_refused_in_one_line(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A bad source image stops the command line before anything is built; a good editing file given to the main
+    recipe's text-to-image generator stops it before the first rollout. Both in one line."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (0, 0, 255)).save(tmp_path / "blue.png")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "make it red", "image": "blue.png"}\n{"prompt": "x", "image": "gone.png"}\n')
+    line = _refused(_fit(tmp_path / "a", f"--data.init_args.prompts={bad}"), capfd, f"{bad}:2", "gone.png")
+    assert "does not exist" in line
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "make it red", "image": "blue.png"}\n')
+    status = _fit(tmp_path / "b", f"--data.init_args.prompts={good}")
+    _refused(status, capfd, "model.generator", "generates from text alone")
+    assert not list((tmp_path / "b").rglob("*.ckpt")), "nothing trained"

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 from unirl_pl.errors import InputError
 from unirl_pl.layout import GroupLayout, check_prompt_counts
 from unirl_pl.manifest import verify_assets
+from unirl_pl.source_images import SourceImage, load_sources
 
 DEFAULT_PROMPTS = (
     "a red circle",
@@ -123,6 +124,7 @@ class PromptBatch:
     runs the same number of batches (None: all are real). ``seed`` seeds every sample's randomness with
     the request ids; ``layout`` says how many samples each prompt gets. ``metadata`` is each prompt's
     metadata (its JSONL row, or None), aligned with ``prompts``; None when the prompt file has none.
+    ``sources`` is each prompt's source image (an editing prompt file), aligned with ``prompts``; None without.
     """
 
     prompts: list[str]
@@ -131,11 +133,17 @@ class PromptBatch:
     seed: int = 0
     layout: GroupLayout = field(default_factory=GroupLayout)
     metadata: list[PromptMeta] | None = None
+    sources: list[SourceImage] | None = None
 
     @property
     def real(self) -> int:
         """How many leading prompts are real (not shard padding)."""
         return len(self.prompts) if self.num_real is None else self.num_real
+
+    @property
+    def real_sources(self) -> list[SourceImage] | None:
+        """The real prompts' source images (an edit's), or None."""
+        return None if self.sources is None else self.sources[: self.real]
 
 
 class _PromptStream(IterableDataset):
@@ -156,9 +164,11 @@ class _PromptStream(IterableDataset):
         start_step: int,
         layout: GroupLayout,
         metadata: list[PromptMeta] | None = None,
+        sources: list[SourceImage] | None = None,
     ) -> None:
         self.prompts, self.per_step, self.seed, self.layout = prompts, per_step, seed, layout
         self.rank, self.world, self.start_step, self.metadata = rank, world, start_step, metadata
+        self.sources = sources
 
     def _item(self, position: int) -> int:
         n = len(self.prompts)
@@ -173,9 +183,11 @@ class _PromptStream(IterableDataset):
             first = step * self.per_step + self.rank * local
             positions = list(range(first, first + local))
             items = [self._item(p) for p in positions]
-            # Metadata is picked by the same item indices as the prompts, so shuffling and sharding keep them paired.
+            # Metadata and source images are picked by the same item indices as the prompts, so shuffling and
+            # sharding keep them paired.
             meta = None if self.metadata is None else [self.metadata[i] for i in items]
-            yield PromptBatch([self.prompts[i] for i in items], positions, None, self.seed, self.layout, meta)
+            sources = None if self.sources is None else [self.sources[i] for i in items]
+            yield PromptBatch([self.prompts[i] for i in items], positions, None, self.seed, self.layout, meta, sources)
             step += 1
 
 
@@ -195,10 +207,12 @@ class _FixedPrompts(torch.utils.data.Dataset):
         world: int,
         seed: int,
         metadata: list[PromptMeta] | None = None,
+        sources: list[SourceImage] | None = None,
     ) -> None:
         self.ids = list(range(rank, len(prompts), world))
         self.length = -(-len(prompts) // world)
         self.prompts, self.per_batch, self.seed, self.metadata = prompts, per_batch, seed, metadata
+        self.sources = sources
 
     def __len__(self) -> int:
         return (self.length + self.per_batch - 1) // self.per_batch
@@ -208,9 +222,15 @@ class _FixedPrompts(torch.utils.data.Dataset):
         ids = [self.ids[p] if p < len(self.ids) else self.ids[0] if self.ids else 0 for p in positions]
         real = sum(p < len(self.ids) for p in positions)
         meta = None if self.metadata is None else [self.metadata[j] for j in ids]
+        sources = None if self.sources is None else [self.sources[j] for j in ids]
         # Negative request ids keep evaluation randomness apart from training's.
         return PromptBatch(
-            [self.prompts[j] for j in ids], [-1 - j for j in ids], num_real=real, seed=self.seed, metadata=meta
+            [self.prompts[j] for j in ids],
+            [-1 - j for j in ids],
+            num_real=real,
+            seed=self.seed,
+            metadata=meta,
+            sources=sources,
         )
 
 
@@ -227,7 +247,10 @@ class PromptDataModule(pl.LightningDataModule):
     Args:
         prompts: Training prompts: a ``.txt``/``.jsonl`` path, an inline list, or null for the embedded set. A
             ``.jsonl`` row's other fields (GenEval's ``tag``/``include``) ride along as the prompt's metadata
-            (:attr:`PromptBatch.metadata`), for rewards that declare a ``metadata`` parameter.
+            (:attr:`PromptBatch.metadata`), for rewards that declare a ``metadata`` parameter. An editing file's
+            rows name a source image each (``{"prompt": "<instruction>", "image": "<path relative to the file>"}``):
+            every image is read and checked before training (:mod:`unirl_pl.source_images`) and reaches the
+            refiner, the generator, the rewards, validation and ``predict`` with its prompt.
         val_prompts: Held-out prompts for ``validate`` (same forms), scored on the deterministic serve path.
         predict_prompts: Prompts for ``predict`` (same forms); null uses ``val_prompts``.
         prompts_per_step: Prompts per optimizer step, summed over all ranks (divisible by the world size).
@@ -244,6 +267,8 @@ class PromptDataModule(pl.LightningDataModule):
         val_seed: Seed of the validation and prediction samples' randomness (null: ``seed``). Fixing it
             scores runs of different seeds on the same noise, so their validation scores differ only by
             what training did (a paired comparison, as the ablation needs).
+        max_image_pixels: The most pixels (height x width) a source image of an editing prompt file may have; a
+            larger one is refused before training starts.
     """
 
     def __init__(
@@ -259,9 +284,12 @@ class PromptDataModule(pl.LightningDataModule):
         val_images_per_prompt: int = 1,
         seed: int = 0,
         val_seed: int | None = None,
+        max_image_pixels: int = 4096 * 4096,
     ) -> None:
         super().__init__()
         check_prompt_counts(prompts_per_step, val_batch_size, val_images_per_prompt)
+        if max_image_pixels < 1:
+            raise ValueError(f"data.max_image_pixels must be >= 1, got {max_image_pixels}")
         self.layout = GroupLayout(samples_per_prompt, num_skip_refinement, images_per_refinement)
         self.train_prompts, self.train_metadata = load_prompt_records(prompts)
         self.val_prompt_list, self.val_metadata = load_prompt_records(val_prompts, DEFAULT_VAL_PROMPTS)
@@ -269,6 +297,13 @@ class PromptDataModule(pl.LightningDataModule):
             load_prompt_records(predict_prompts)
             if predict_prompts is not None
             else (self.val_prompt_list, self.val_metadata)
+        )
+        self.train_sources = load_sources(prompts, self.train_metadata, max_image_pixels)
+        self.val_sources = load_sources(val_prompts, self.val_metadata, max_image_pixels)
+        self.predict_sources = (
+            load_sources(predict_prompts, self.predict_metadata, max_image_pixels)
+            if predict_prompts is not None
+            else self.val_sources
         )
         self.prompts_per_step = prompts_per_step
         self.val_batch_size, self.val_images_per_prompt = val_batch_size, val_images_per_prompt
@@ -287,14 +322,24 @@ class PromptDataModule(pl.LightningDataModule):
         # The stream resumes at the RL step the trainer is at (one global step per RL step).
         start = self.trainer.global_step if self.trainer is not None else 0
         stream = _PromptStream(
-            self.train_prompts, self.prompts_per_step, self.seed, rank, world, start, self.layout, self.train_metadata
+            self.train_prompts,
+            self.prompts_per_step,
+            self.seed,
+            rank,
+            world,
+            start,
+            self.layout,
+            self.train_metadata,
+            self.train_sources,
         )
         return DataLoader(stream, batch_size=None)
 
-    def _fixed(self, prompts: list[str], metadata: list[PromptMeta] | None) -> DataLoader:
+    def _fixed(
+        self, prompts: list[str], metadata: list[PromptMeta] | None, sources: list[SourceImage] | None
+    ) -> DataLoader:
         rank, world = self._world()
         seed = self.seed if self.val_seed is None else self.val_seed
-        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed, metadata)
+        shard = _FixedPrompts(prompts, self.val_batch_size, rank, world, seed, metadata, sources)
         # The shard is this rank's already. Lightning would split a loader again across ranks (a
         # DistributedSampler in validation, an unrepeated one in predict: each rank scored half its share);
         # it leaves a loader alone whose sampler is a DistributedSampler, and one of one replica reads the
@@ -306,10 +351,16 @@ class PromptDataModule(pl.LightningDataModule):
         # Copy-major: the list's index is the request id, so copy c of prompt j draws its own noise.
         copies = self.val_images_per_prompt
         metadata = None if self.val_metadata is None else self.val_metadata * copies
-        return self._fixed(self.val_prompt_list * copies, metadata)
+        sources = None if self.val_sources is None else self.val_sources * copies
+        return self._fixed(self.val_prompt_list * copies, metadata, sources)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._fixed(self.predict_prompt_list, self.predict_metadata)
+        return self._fixed(self.predict_prompt_list, self.predict_metadata, self.predict_sources)
+
+    @property
+    def edits(self) -> bool:
+        """Whether the training prompts carry source images (an editing run)."""
+        return self.train_sources is not None
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
         # Prompt batches are strings; the experience is built on the right device by the rollout.

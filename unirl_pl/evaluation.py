@@ -31,10 +31,11 @@ def serve(
     n = len(batch.prompts)
     refined, replies = list(batch.prompts), [None] * n
     if ar_decode is not None:
-        refined, record = ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed)
+        images = {} if batch.sources is None else {"images": [source.pixels for source in batch.sources]}
+        refined, record = ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed, **images)
         replies = list(record.replies) or replies
     latents, _ = diffusion_denoise.sample(
-        conditioning.encode(refined),
+        conditioning.encode(refined, batch.sources),
         batch.request_ids,
         [0] * n,
         "serve",

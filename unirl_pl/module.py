@@ -41,6 +41,7 @@ from unirl_pl.metrics import RewardStatistics, log_step, rollout_metrics, update
 from unirl_pl.records import Experience
 from unirl_pl.rewards import RewardTerm, WeightedSum, registered_rewards
 from unirl_pl.rewards.metadata import WithMetadata
+from unirl_pl.source_images import check_edit_setup
 from unirl_pl.versioning import VersionLedger, check_staleness
 
 
@@ -254,6 +255,7 @@ class UniRLModule(pl.LightningModule):
             if owner in self.trained:
                 algorithm.check_settings(self.losses[owner])
         self.policy = PolicyLosses(self.card, loops, experts, self.loss_settings, algorithms)
+        check_edit_setup(self._trainer and getattr(self._trainer, "datamodule", None), self.generator)
 
     def on_fit_start(self) -> None:
         data, world = getattr(self.trainer, "datamodule", None), self.trainer.world_size
@@ -364,7 +366,8 @@ class UniRLModule(pl.LightningModule):
         refinements and images, and the reward with their metadata and the refiner's replies bound to it."""
         refined, images, replies = self.serve(batch)
         n, metadata = batch.real, None if batch.metadata is None else batch.metadata[: batch.real]
-        reward = WithMetadata(self.reward_fn, metadata, replies[:n])
+        sources = None if batch.sources is None else [source.pixels for source in batch.real_sources]
+        reward = WithMetadata(self.reward_fn, metadata, replies[:n], sources=sources)
         return batch.prompts[:n], refined[:n], images[:n], reward  # type: ignore[return-value]
 
     def validation_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any] | None:
@@ -377,12 +380,13 @@ class UniRLModule(pl.LightningModule):
             self.log(f"val/{key}", metric, prog_bar=key == "reward_mean")
         # The first batch's pictures, for callbacks that show them (ValidationImages).
         pictures = {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
-        return pictures if batch_idx == 0 else None
+        return {**pictures, "sources": batch.real_sources} if batch_idx == 0 else None
 
     def predict_step(self, batch: PromptBatch, batch_idx: int) -> dict[str, Any]:
         prompts, refined, images, reward = self._served(batch)
         total, _ = reward(prompts, refined, images)
-        return {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
+        out = {"prompts": prompts, "refined": refined, "images": images, "rewards": total.tolist()}
+        return {**out, "sources": batch.real_sources}
 
     # ------------------------------------------------------------------ checkpoints
     def algorithms(self) -> dict[str, Any]:

@@ -34,6 +34,19 @@ def to_frames(images: torch.Tensor) -> tuple[np.ndarray, np.ndarray | None]:
     return pixels.permute(0, 2, 3, 1).numpy(), None
 
 
+def beside_sources(images: np.ndarray, sources: list[Any] | None) -> np.ndarray:
+    """Each of ``images`` (uint8 ``(N, H, W, 3)``) with its edit's source image (a
+    :class:`~unirl_pl.source_images.SourceImage`) resized to the same size on its left; ``images`` without sources."""
+    if not sources:
+        return images
+    height, width = images.shape[1:3]
+    pairs = []
+    for image, source in zip(images, sources, strict=True):
+        left = Image.fromarray(source.data.permute(1, 2, 0).numpy()).resize((width, height), Image.BILINEAR)
+        pairs.append(np.concatenate([np.asarray(left), image], axis=1))
+    return np.stack(pairs)
+
+
 def captioned_grid(images: np.ndarray, rows: list[dict[str, Any]], tile: int = 128, columns: int = 4) -> Image.Image:
     """A sheet of ``images`` (uint8 ``(N, H, W, 3)``), each enlarged to ``tile`` pixels high (nearest
     neighbour, so pixels stay crisp) with its ``prompt``, ``refined`` prompt and ``reward`` under it."""
@@ -134,6 +147,7 @@ class ImageWriter(BasePredictionWriter):
     ) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         images, frames = to_frames(prediction["images"])
+        sources = prediction.get("sources") if frames is None else None
         rows = []
         with (self.output_dir / "predictions.jsonl").open("a") as f:
             for i, img in enumerate(images):
@@ -149,10 +163,12 @@ class ImageWriter(BasePredictionWriter):
                     "refined": prediction["refined"][i],
                     "reward": prediction["rewards"][i],
                 }
+                if sources:  # an edit: which source image the result was made from
+                    row["source"] = sources[i].path
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
         if self.grid:
-            sheet = captioned_grid(images, rows, self.tile, self.columns)
+            sheet = captioned_grid(beside_sources(images, sources), rows, self.tile, self.columns)
             sheet.save(self.output_dir / f"grid_{trainer.global_rank}_{batch_idx:04d}.png")
 
 
@@ -162,7 +178,7 @@ class ValidationImages(pl.Callback):
     when such a logger is attached (:func:`log_image`). Rank 0 only; the sanity check is skipped.
 
     Reads the dict the module's ``validation_step`` returns (``prompts``, ``refined``, ``images``,
-    ``rewards``); a step that returns nothing writes nothing.
+    ``rewards``, and an edit's ``sources``, drawn left of each result); a step that returns nothing writes nothing.
 
     Args:
         max_images: At most this many images of the batch go into the grid.
@@ -203,7 +219,8 @@ class ValidationImages(pl.Callback):
             {"prompt": p, "refined": r, "reward": float(w)}
             for p, r, w in zip(outputs["prompts"][:n], outputs["refined"][:n], rewards[:n], strict=True)
         ]
-        sheet = captioned_grid(images, rows, self.tile, self.columns)
+        sources = outputs.get("sources")
+        sheet = captioned_grid(beside_sources(images, sources[:n] if sources else None), rows, self.tile, self.columns)
         path = self.folder / f"val_step{trainer.global_step}.png"
         path.parent.mkdir(parents=True, exist_ok=True)
         sheet.save(path)

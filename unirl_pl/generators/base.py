@@ -71,6 +71,11 @@ class FlowGenerator(torch.nn.Module, ABC):
     default_lora_targets: ClassVar[tuple[str, ...]]
     default_size: ClassVar[tuple[int, int, int]]  # (height, width, num_frames) in pixels
     default_max_sequence_length: ClassVar[int]
+    # Editing: a family that conditions on a source image per sample sets ``takes_source_images`` and implements
+    # ``_encode_source``; one whose text encoder also reads that image (Qwen-Image-Edit's VL encoder) sets
+    # ``text_sees_source`` and implements ``_encode_with_images``.
+    takes_source_images: ClassVar[bool] = False
+    text_sees_source: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -153,6 +158,15 @@ class FlowGenerator(torch.nn.Module, ABC):
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Decode VAE-dtype latents to pixels in [-1, 1] in the final layout (images (N, 3, H, W),
         videos (N, F, 3, H, W))."""
+
+    def _encode_source(self, images: list[torch.Tensor]) -> Cond:
+        """The source images' own conditioning (editing families): named tensors, batch first, whose keys differ
+        from ``_encode``'s; each image is float32 (3, H, W) in [0, 1] of any size and is prepared alone."""
+        raise NotImplementedError(f"{type(self).__name__} does not take source images")
+
+    def _encode_with_images(self, texts: list[str], images: list[torch.Tensor]) -> Cond:
+        """Text features of a family whose text encoder reads the source image too (``text_sees_source``)."""
+        raise NotImplementedError(f"{type(self).__name__}'s text encoder does not read source images")
 
     def _check_index(self, index: dict[str, Any]) -> None:
         """Reject pipeline variants this generator does not support (before anything is loaded)."""
@@ -318,15 +332,35 @@ class FlowGenerator(torch.nn.Module, ABC):
         states = encoder(ids, attention_mask=mask).last_hidden_state
         return states * mask.unsqueeze(-1).to(states.dtype)
 
-    def encode(self, texts: list[str]) -> Cond:
+    def encode(self, texts: list[str], images: list[torch.Tensor] | None = None) -> Cond:
         """Encode ``texts`` through the pipeline's own tokenizers and text encoders, without gradients,
         to float32 tensors of fixed shapes (padded to the maximum lengths), so a text's row is the same
-        whatever else is in the batch."""
+        whatever else is in the batch. ``images`` (one source image per text) only for a family whose text
+        encoder reads the source image (``text_sees_source``); the image latents come from ``encode_source``."""
         self._require_built()
         if isinstance(texts, str) or not texts:
             raise ValueError("texts must be a non-empty list of strings")
+        if images is not None and not self.text_sees_source:
+            raise ValueError(f"{type(self).__name__}'s text encoder does not read source images")
         with torch.no_grad():
-            cond = self._encode(list(texts))
+            if images is None:
+                cond = self._encode(list(texts))
+            else:
+                cond = self._encode_with_images(list(texts), _check_images(images, len(texts)))
+        return {key: value.float() for key, value in cond.items()}
+
+    def encode_source(self, images: list[torch.Tensor]) -> Cond:
+        """The conditioning an editing family takes from each sample's source image (float32 (3, H, W) in [0, 1],
+        any size: the family resizes each alone), without gradients, as float32 tensors merged into the text
+        features' ``Cond``. ``ValueError`` for a family that does not edit."""
+        self._require_built()
+        if not self.takes_source_images:
+            raise ValueError(
+                f"{type(self).__name__} ({self.family}) generates from text alone and takes no source image; "
+                "an editing run needs an editing family (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2 [klein])"
+            )
+        with torch.no_grad():
+            cond = self._encode_source(_check_images(images, None))
         return {key: value.float() for key, value in cond.items()}
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond) -> torch.Tensor:
@@ -397,3 +431,16 @@ class FlowGenerator(torch.nn.Module, ABC):
         model = self._require_built()
         copy_pipeline_folder(self._folder(), path, skip=("transformer",))
         model.save_pretrained(str(Path(path) / "transformer"))
+
+
+def _check_images(images: list[torch.Tensor], n: int | None) -> list[torch.Tensor]:
+    """``images`` as source images: a non-empty list (of ``n`` when given) of float (3, H, W) tensors in [0, 1]."""
+    if not isinstance(images, (list, tuple)) or not images:
+        raise ValueError("images must be a non-empty list of (3, H, W) tensors")
+    if n is not None and len(images) != n:
+        raise ValueError(f"{len(images)} source images for {n} texts: one per text")
+    for i, image in enumerate(images):
+        if not isinstance(image, torch.Tensor) or image.ndim != 3 or image.shape[0] != 3:
+            shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+            raise ValueError(f"source image {i} must be a (3, H, W) tensor in [0, 1], got {shape}")
+    return [image.float() for image in images]

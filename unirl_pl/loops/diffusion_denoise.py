@@ -119,7 +119,9 @@ class DiffusionDenoise:
         self._check_guidance_scale_2()
         if uncond is None or not self.config.guided:
             return self.generator.velocity(x, s, cond)
-        both = {k: torch.cat([cond[k], v]) for k, v in cond_expand(uncond, n).items()}
+        # A key the unconditional branch lacks (an edit's source latents) is per-sample conditioning both share.
+        rows = cond_expand(uncond, n)
+        both = {k: torch.cat([v, rows.get(k, v)]) for k, v in cond.items()}
         v, v0 = self.generator.velocity(torch.cat([x, x]), torch.cat([s, s]), both).split(n)
         if self.config.detach_uncond:
             v0 = v0.detach()

@@ -25,7 +25,7 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise, Profile
 from unirl_pl.method.advantages import AdvantageConfig, compute_advantages, text_advantages
 from unirl_pl.records import Experience, LMRecord
 from unirl_pl.rewards import WeightedSum
-from unirl_pl.rewards.metadata import Metadata, accepts_metadata
+from unirl_pl.rewards.metadata import Metadata, accepts_keyword, accepts_metadata
 from unirl_pl.rewards.overlap import decode_while_scoring, remote_terms
 from unirl_pl.rewards.replies import Reply, accepts_replies
 from unirl_pl.versioning import VersionLedger
@@ -78,6 +78,7 @@ class ExperienceSource:
         # that declare it); the signature is read once.
         self._takes_metadata = accepts_metadata(self.reward)
         self._takes_replies = accepts_replies(self.reward)
+        self._takes_sources = accepts_keyword(self.reward, "sources")
 
     def _decode_and_score(
         self,
@@ -87,6 +88,7 @@ class ExperienceSource:
         groups: Tensor,
         metadata: list[Metadata] | None = None,
         replies: list[Reply] | None = None,
+        sources: list[Tensor] | None = None,
     ) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         """(images, total reward, raw terms); remote terms' requests overlap the decode of later micro-batches."""
         extra: dict = {"groups": groups, "batch_std": self.batch_std} if self._normalizes else {}
@@ -94,6 +96,8 @@ class ExperienceSource:
             extra["metadata"] = metadata
         if replies is not None and self._takes_replies:
             extra["replies"] = replies
+        if sources is not None and self._takes_sources:
+            extra["sources"] = sources
         if self._remote and self._chunk is not None and self._chunk < latents.shape[0]:
             images, extra["pending"] = decode_while_scoring(
                 self.conditioning.decode,
@@ -104,6 +108,7 @@ class ExperienceSource:
                 refined,
                 metadata=extra.get("metadata"),
                 replies=extra.get("replies"),
+                sources=extra.get("sources"),
             )
         else:
             images = self.conditioning.decode(latents)
@@ -126,6 +131,8 @@ class ExperienceSource:
         assert self.ar_decode is not None
         req = [batch.request_ids[i // k] for i in rows]
         idx = [layout.text_sample_index(p)[i] for i in rows]
+        # An edit's refiner sees each prompt's source image (a VLM refiner; others refuse it).
+        images = {} if batch.sources is None else {"images": [batch.sources[i // k].pixels for i in rows]}
         with timing.phase("decode"):
             refined_rows, record = self.ar_decode.sample(
                 [texts[i] for i in rows],
@@ -134,6 +141,7 @@ class ExperienceSource:
                 self._profile(Loop.DECODE),
                 seed=batch.seed,
                 version=self.ledger[self.owners[Loop.DECODE]],
+                **images,
             )
         refined = list(texts)
         for i, text in zip(rows, refined_rows, strict=True):
@@ -160,7 +168,9 @@ class ExperienceSource:
         img_text = layout.image_text(p)
         k = layout.samples_per_prompt
         image_texts = [refined[t] for t in img_text.tolist()]
-        cond = self.conditioning.encode(image_texts)
+        # Each image's source (an edit), by the same image -> text sample -> prompt map as its prompt.
+        sources = None if batch.sources is None else [batch.sources[t // k] for t in img_text.tolist()]
+        cond = self.conditioning.encode(image_texts, sources)
         uncond = self.conditioning.uncond(self.diffusion_denoise.config.guided)
         with timing.phase("denoise"):
             latents, dit_record = self.diffusion_denoise.sample(
@@ -181,7 +191,10 @@ class ExperienceSource:
         for row, reply in zip(rows, lm_record.replies if lm_record is not None else [], strict=False):
             text_replies[row] = reply
         replies = [text_replies[t] for t in img_text.tolist()]
-        images, rewards, parts = self._decode_and_score(latents, originals, image_texts, groups, metadata, replies)
+        pixels = None if sources is None else [source.pixels for source in sources]
+        images, rewards, parts = self._decode_and_score(
+            latents, originals, image_texts, groups, metadata, replies, pixels
+        )
         # Advantages come from the combined reward (group-normalized terms when the reward normalizes);
         # the logged reward stays the raw weighted sum.
         with timing.phase("advantages"):
