@@ -583,10 +583,13 @@ def random_latents(shape: tuple[int, ...], batch: int, seed: int = 0) -> torch.T
 
 if __name__ == "__main__":
     # python -m tests.pipelines {sd3,flux,wan,wan22,wan22_ti2v,flux2_klein,flux2_klein_distilled,zimage,zimage_turbo,
-    # qwenimage}
+    # qwenimage,flux_kontext,qwenimage_edit_plus,qwenimage_edit_plus_2511}
     # FOLDER: a tiny random pipeline folder for CPU runs of the family recipes (the recipes' headers list the
     # overrides that fit these sizes).
     import sys
+
+    from tests.pipelines_edit import make_flux_kontext_pipeline
+    from tests.pipelines_qwen_edit import make_qwenimage_edit_plus_pipeline
 
     builders = {
         "sd3": make_sd3_pipeline,
@@ -599,6 +602,9 @@ if __name__ == "__main__":
         "zimage": make_zimage_pipeline,
         "zimage_turbo": lambda folder: make_zimage_pipeline(folder, turbo=True),
         "qwenimage": make_qwenimage_pipeline,
+        "flux_kontext": make_flux_kontext_pipeline,
+        "qwenimage_edit_plus": make_qwenimage_edit_plus_pipeline,
+        "qwenimage_edit_plus_2511": lambda folder: make_qwenimage_edit_plus_pipeline(folder, zero_cond_t=True),
     }
     if len(sys.argv) != 3 or sys.argv[1] not in builders:
         sys.exit(f"usage: python -m tests.pipelines {{{','.join(builders)}}} FOLDER")

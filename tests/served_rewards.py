@@ -72,3 +72,25 @@ class Counted:
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
         _append(self.log, {"n": len(prompts)})
         return self.reward(prompts, refined_prompts, images)
+
+
+class SeenSources:
+    """Declares ``sources`` and logs each call's source sizes; scores each image's mean brightness minus its
+    source's (the image's own where it has none), so a source that went astray changes the score."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __call__(
+        self,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        sources: list[Tensor | None] | None = None,
+    ) -> list[float]:
+        shapes = None if sources is None else [None if s is None else list(s.shape) for s in sources]
+        _append(self.log, {"n": len(prompts), "sources": shapes})
+        scores = mean_brightness(prompts, refined_prompts, images)
+        if sources is None:
+            return scores
+        return [s - (0.0 if src is None else float(src.mean())) for s, src in zip(scores, sources, strict=True)]

@@ -231,7 +231,7 @@ def test_missing_folder_and_index_are_clear_errors(tmp_path: Path) -> None:
 
 def test_unsupported_pipeline_lists_supported_classes(tmp_path: Path) -> None:
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
-    supported = "FluxPipeline, QwenImagePipeline, StableDiffusion3Pipeline, WanPipeline"
+    supported = "FluxPipeline, QwenImageEditPlusPipeline, QwenImagePipeline, StableDiffusion3Pipeline, WanPipeline"
     with pytest.raises(ValueError, match=f"StableDiffusionXLPipeline.*{supported}"):
         load_generator(tmp_path)
 

@@ -150,3 +150,35 @@ def test_an_editing_file_for_a_text_to_image_generator_is_refused(tmp_path: Path
         check_edit_setup(dm, TextOnly())
     check_edit_setup(dm, Edits())
     check_edit_setup(PromptDataModule(), TextOnly())
+
+
+def test_a_vlm_refiner_that_does_not_see_the_sources_is_warned_about(tmp_path: Path) -> None:
+    class Edits:
+        takes_source_images = True
+
+    class Refiner:
+        def __init__(self, sees: bool) -> None:
+            self.sees_images = sees
+
+    _png(tmp_path / "a.png", (0, 0, 0))
+    dm = PromptDataModule(prompts=_rows(tmp_path, [{"prompt": "x", "image": "a.png"}]))
+    with pytest.warns(UserWarning, match="load_image_processor: true"):
+        check_edit_setup(dm, Edits(), Refiner(False))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_edit_setup(dm, Edits(), Refiner(True))
+        check_edit_setup(PromptDataModule(), Edits(), Refiner(False))
+
+
+def test_grids_show_each_result_beside_its_source(tmp_path: Path) -> None:
+    from unirl_pl.callbacks.writer import beside_sources
+
+    _png(tmp_path / "red.png", (255, 0, 0), size=(4, 2))
+    source = read_source_image(tmp_path / "red.png", "x:1", 100)
+    results = np.zeros((1, 6, 6, 3), dtype=np.uint8)
+    pair = beside_sources(results, [source])
+    assert pair.shape == (1, 6, 12, 3), "the source, resized to the result, on its left"
+    assert (pair[0, :, :6] == [255, 0, 0]).all() and (pair[0, :, 6:] == 0).all()
+    assert beside_sources(results, None) is results

@@ -31,7 +31,8 @@ def serve(
     n = len(batch.prompts)
     refined, replies = list(batch.prompts), [None] * n
     if ar_decode is not None:
-        images = {} if batch.sources is None else {"images": [source.pixels for source in batch.sources]}
+        sees = batch.sources is not None and getattr(ar_decode.llm, "sees_images", False)
+        images = {"images": [source.pixels for source in batch.sources]} if sees else {}  # type: ignore[union-attr]
         refined, record = ar_decode.sample(refined, batch.request_ids, [0] * n, "serve", seed=batch.seed, **images)
         replies = list(record.replies) or replies
     latents, _ = diffusion_denoise.sample(

@@ -255,7 +255,7 @@ class UniRLModule(pl.LightningModule):
             if owner in self.trained:
                 algorithm.check_settings(self.losses[owner])
         self.policy = PolicyLosses(self.card, loops, experts, self.loss_settings, algorithms)
-        check_edit_setup(self._trainer and getattr(self._trainer, "datamodule", None), self.generator)
+        check_edit_setup(self._trainer and getattr(self._trainer, "datamodule", None), self.generator, self.llm)
 
     def on_fit_start(self) -> None:
         data, world = getattr(self.trainer, "datamodule", None), self.trainer.world_size

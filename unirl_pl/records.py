@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
 from torch import Tensor
 
 from unirl_pl.card import Loop
@@ -31,6 +32,17 @@ def cond_expand(cond: Cond, n: int) -> Cond:
     return {k: v.expand(n, *v.shape[1:]) for k, v in cond.items()}
 
 
+def vision_batch(
+    pixel_values: list[Tensor | None], image_grid_thw: list[Tensor | None]
+) -> tuple[Tensor, Tensor] | None:
+    """A VLM's ``pixel_values`` (the images' patches concatenated in row order) and ``image_grid_thw``
+    (images, 3) of the rows that have an image, from per-row lists; None when no row has one."""
+    rows = [(p, g) for p, g in zip(pixel_values, image_grid_thw, strict=True) if g is not None and p is not None]
+    if not rows:
+        return None
+    return torch.cat([p for p, _ in rows]), torch.stack([g for _, g in rows])
+
+
 def rechunk(chunks: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
     """Consecutive chunks over ``n`` rows no larger than the largest of ``chunks`` (the micro-batch size)."""
     size = max((b - a for a, b in chunks), default=n) or 1
@@ -45,6 +57,12 @@ class LMRecord:
     to its text sample. ``temperature``/``top_k`` are the sampling settings the log-probs belong to.
     ``fell_back`` marks the rows whose reply could not be parsed and were replaced by the user prompt.
     ``replies`` is each row's raw decoded reply (before parsing), for rewards that judge the reply itself.
+
+    A refiner that saw source images (editing) also records, per row, the image processor's output it read:
+    ``pixel_values`` (the image's patches, (patches, C * T * P * P)) and ``image_grid_thw`` ((3,) long), None
+    for a row asked without an image; both empty for a text-only record. They are lists so that ``slice`` and
+    ``take`` keep each row's image with it (rows of one prompt share one tensor), and the teacher-forced
+    re-score reads exactly what the rollout read.
     """
 
     input_ids: Tensor
@@ -58,24 +76,54 @@ class LMRecord:
     version: int
     fell_back: list[bool] = field(default_factory=list)
     replies: list[str] = field(default_factory=list)
+    pixel_values: list[Tensor | None] = field(default_factory=list)
+    image_grid_thw: list[Tensor | None] = field(default_factory=list)
 
     @property
     def gen_ids(self) -> Tensor:
         """The generated tokens, (R, T)."""
         return self.input_ids[:, self.prompt_len :]
 
+    @property
+    def has_images(self) -> bool:
+        """Whether any row was asked with a source image."""
+        return any(grid is not None for grid in self.image_grid_thw)
+
+    def vision_inputs(self) -> tuple[Tensor, Tensor] | None:
+        """The model's ``pixel_values`` (the rows' images' patches concatenated in row order) and
+        ``image_grid_thw`` (images, 3) of this record's rows with an image; None when no row has one."""
+        return vision_batch(self.pixel_values, self.image_grid_thw)
+
     def slice(self, start: int, stop: int) -> LMRecord:
         """Rows ``[start, stop)`` of the record (views, same padding and settings): one scoring micro-batch."""
-        return self._rows(slice(start, stop), self.fell_back[start:stop], self.replies[start:stop])
+        return self._rows(
+            slice(start, stop),
+            self.fell_back[start:stop],
+            self.replies[start:stop],
+            self.pixel_values[start:stop],
+            self.image_grid_thw[start:stop],
+        )
 
     def take(self, index: Tensor) -> LMRecord:
         """The rows at ``index`` (1-D long, in that order; same padding and settings): the refinements a
         refiner algorithm trains on when it drops some groups (DAPO's dynamic sampling)."""
-        fell_back = [self.fell_back[i] for i in index.tolist()] if self.fell_back else []
-        replies = [self.replies[i] for i in index.tolist()] if self.replies else []
-        return self._rows(index, fell_back, replies)
+        rows = index.tolist()
 
-    def _rows(self, rows: slice | Tensor, fell_back: list[bool], replies: list[str]) -> LMRecord:
+        def pick(values: list) -> list:
+            return [values[i] for i in rows] if values else []
+
+        return self._rows(
+            index, pick(self.fell_back), pick(self.replies), pick(self.pixel_values), pick(self.image_grid_thw)
+        )
+
+    def _rows(
+        self,
+        rows: slice | Tensor,
+        fell_back: list[bool],
+        replies: list[str],
+        pixel_values: list[Tensor | None],
+        image_grid_thw: list[Tensor | None],
+    ) -> LMRecord:
         return replace(
             self,
             input_ids=self.input_ids[rows],
@@ -85,6 +133,8 @@ class LMRecord:
             rows=self.rows[rows],
             fell_back=fell_back,
             replies=replies,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
         )
 
 

@@ -124,10 +124,11 @@ def _row_lines(path: Path) -> list[int]:
         return [n for n, raw in enumerate(f, 1) if raw.strip()]
 
 
-def check_edit_setup(data: Any, generator: Any) -> None:
+def check_edit_setup(data: Any, generator: Any, refiner: Any = None) -> None:
     """Refuse, before anything runs, an editing prompt file given to a generator that takes no source image: an
     :class:`InputError` naming the settings (one line from the CLI). An editing family given text prompts
-    generates from text alone."""
+    generates from text alone. A VLM refiner that could see the source images but does not load its image
+    processor is warned about: it rewrites each instruction blind."""
     if data is None or not hasattr(data, "train_sources"):
         return
     family = type(getattr(generator, "expert", generator)).__name__
@@ -137,4 +138,10 @@ def check_edit_setup(data: Any, generator: Any) -> None:
             f"data.prompts / data.val_prompts hold source images (rows with 'image'), but model.generator ({family}) "
             "generates from text alone: use an editing family (FluxKontextGenerator, QwenImageEditPlusGenerator, "
             "Flux2KleinGenerator) or prompt rows without 'image'"
+        )
+    if edits and hasattr(refiner, "sees_images") and not refiner.sees_images:
+        warnings.warn(
+            f"the prompts hold source images, but model.llm ({type(refiner).__name__}) does not see them: set "
+            "model.llm.init_args.load_image_processor: true for a refiner that reads the image it edits",
+            stacklevel=2,
         )

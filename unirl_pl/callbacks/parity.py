@@ -150,7 +150,9 @@ class InterleaveParityCheck(pl.Callback):
             self._run(trainer, pl_module)
 
     def _run(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        report = self.check(pl_module, trainer.global_step)
+        # An editing run probes with its first source image: its generator may need one, its refiner may read it.
+        sources = getattr(getattr(trainer, "datamodule", None), "train_sources", None)
+        report = self.check(pl_module, trainer.global_step, sources[0].pixels if sources else None)
         self._checked_at = trainer.global_step
         metrics = {"parity/max_abs_diff": report.max_abs_diff}
         metrics.update({f"parity/{k}_max_abs_diff": v for k, v in report.diffs.items()})
@@ -161,16 +163,17 @@ class InterleaveParityCheck(pl.Callback):
     # ------------------------------------------------------------------ the check
     @timing.timed("gate_parity", opaque=True)
     @torch.no_grad()
-    def check(self, pl_module: pl.LightningModule, step: int = 0) -> ParityReport:
-        """Probe batched vs serial in every profile; raise (or warn) on a divergence or an empty probe."""
+    def check(self, pl_module: pl.LightningModule, step: int = 0, source: Tensor | None = None) -> ParityReport:
+        """Probe batched vs serial in every profile; raise (or warn) on a divergence or an empty probe. ``source``
+        (an edit's source image, float (3, H, W) in [0, 1]) goes with every probe request."""
         denoise = getattr(pl_module, Loop.DENOISE, None)
         if denoise is None:
             raise InterleaveParityError("interleave parity: the module has no loops (configure_model not run)")
         report = ParityReport()
         for profile in self.profiles:
             if pl_module.ar_decode is not None:
-                self._compare_lm(pl_module.ar_decode, profile, report)
-            self._compare_dit(pl_module.generator, denoise, profile, report)
+                self._compare_lm(pl_module.ar_decode, profile, report, source)
+            self._compare_dit(pl_module.generator, denoise, profile, report, source)
         self.last = report
         if report.failures:
             counts = self.probe_step_counts(denoise.config, denoise.least_steps())
@@ -195,23 +198,31 @@ class InterleaveParityCheck(pl.Callback):
         options = self.step_counts or [config.num_steps, max(least, (config.num_steps + 1) // 2)]
         return [options[i % len(options)] for i in range(self.num_requests)]
 
-    def _compare_lm(self, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
+    def _compare_lm(self, loop: Any, profile: ProbeProfile, report: ParityReport, source: Tensor | None) -> None:
         ids, idx = self._requests()
-        _, batched = loop.sample([self.prompt] * len(ids), ids, idx, profile, seed=PROBE_SEED)
+        sees = source is not None and getattr(loop.llm, "sees_images", False)
+        images = (lambda n: {"images": [source] * n}) if sees else (lambda n: {})
+        _, batched = loop.sample([self.prompt] * len(ids), ids, idx, profile, seed=PROBE_SEED, **images(len(ids)))
         for i, (r, k) in enumerate(zip(ids, idx, strict=True)):
-            _, alone = loop.sample([self.prompt], [r], [k], profile, seed=PROBE_SEED)
+            _, alone = loop.sample([self.prompt], [r], [k], profile, seed=PROBE_SEED, **images(1))
             b_live, s_live = batched.gen_mask[i], alone.gen_mask[0]
             where = f"llm/{profile} request {i}"
             report.tokens(where, batched.gen_ids[i][b_live], alone.gen_ids[0][s_live])
             b_logp, s_logp = batched.old_logp[i][b_live], alone.old_logp[0][s_live]
             report.values(f"{where} log-probs", Role.REFINER, b_logp, s_logp, self.tolerance)
 
-    def _compare_dit(self, generator: Any, loop: Any, profile: ProbeProfile, report: ParityReport) -> None:
+    def _compare_dit(
+        self, generator: Any, loop: Any, profile: ProbeProfile, report: ParityReport, source: Tensor | None
+    ) -> None:
         ids, idx = self._requests()
         counts = self.probe_step_counts(loop.config, loop.least_steps())
         n = len(ids)
         # Straight to the encoder, not through the module's feature cache: the probe must not move its hit rate.
-        one = generator.encode([self.prompt])
+        edits = source is not None and getattr(generator, "takes_source_images", False)
+        reads = edits and getattr(generator, "text_sees_source", False)
+        one = generator.encode([self.prompt], [source]) if reads else generator.encode([self.prompt])
+        if edits:
+            one |= generator.encode_source([source])
         cond = {k: v.repeat(n, *[1] * (v.ndim - 1)) for k, v in one.items()}
         uncond = generator.encode([""]) if loop.config.guided else None
         lat_b, rec_b = loop.sample(cond, ids, idx, profile, seed=PROBE_SEED, uncond=uncond, num_steps=counts)

@@ -2,7 +2,8 @@
 ``velocity(latents, sigma, cond)``, ``decode(latents)``, ``adapter_disabled()`` and the trainable
 ``expert``. ``ComponentGenerator`` assembles the project's own configured parts; the families load
 from diffusers pipeline folders (``FlowGenerator``): SD3 / SD3.5, FLUX.1 dev and schnell, FLUX.2 [klein],
-Wan2.1 / Wan2.2 text-to-video, Z-Image and Z-Image-Turbo, Qwen-Image."""
+Wan2.1 / Wan2.2 text-to-video, Z-Image and Z-Image-Turbo, Qwen-Image; the editing families (a source image
+per sample, ``encode_source``) FLUX.1 Kontext, FLUX.2 [klein] with a reference image and Qwen-Image-Edit-Plus."""
 
 from __future__ import annotations
 
@@ -13,15 +14,26 @@ from unirl_pl.generators.base import Cond, FlowGenerator
 from unirl_pl.generators.components import ComponentGenerator, pixels_to_images
 from unirl_pl.generators.flux import FluxGenerator
 from unirl_pl.generators.flux2 import Flux2KleinGenerator
+from unirl_pl.generators.flux_kontext import FluxKontextGenerator
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.qwenimage import QwenImageGenerator
+from unirl_pl.generators.qwenimage_edit import QwenImageEditPlusGenerator
 from unirl_pl.generators.sd3 import SD3Generator
 from unirl_pl.generators.wan import WanGenerator
 from unirl_pl.generators.zimage import ZImageGenerator
 
 GENERATORS: dict[str, type[FlowGenerator]] = {
     cls.pipeline_class.__name__: cls
-    for cls in (SD3Generator, FluxGenerator, Flux2KleinGenerator, WanGenerator, ZImageGenerator, QwenImageGenerator)
+    for cls in (
+        SD3Generator,
+        FluxGenerator,
+        FluxKontextGenerator,
+        Flux2KleinGenerator,
+        WanGenerator,
+        ZImageGenerator,
+        QwenImageGenerator,
+        QwenImageEditPlusGenerator,
+    )
 }
 """Generator class per diffusers pipeline class name (``model_index.json`` ``_class_name``)."""
 
@@ -49,6 +61,8 @@ __all__ = [
     "FlowGenerator",
     "Flux2KleinGenerator",
     "FluxGenerator",
+    "FluxKontextGenerator",
+    "QwenImageEditPlusGenerator",
     "QwenImageGenerator",
     "SD3Generator",
     "WanGenerator",

@@ -5,28 +5,26 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from diffusers import DiffusionPipeline, ModelMixin
 from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from unirl_pl.experts._common import check_positive, freeze, resolve_dtype, seeded_cpu_init
-from unirl_pl.experts.base import LORA_INITS, adapter_bypassed, attach_diffusers_lora, check_lora_args
-from unirl_pl.experts.finetune import adapt, check_finetune, copy_pipeline_folder, reference_swapped, require_lora
+from unirl_pl.experts.base import LORA_INITS, attach_diffusers_lora, check_lora_args
+from unirl_pl.experts.finetune import adapt, check_finetune
+from unirl_pl.generators.adapter_io import AdapterIO
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.schedule import Schedule, pipeline_schedule
-from unirl_pl.lora import load_lora_file
+from unirl_pl.generators.source import check_images
 from unirl_pl.paths import read_json_file
 from unirl_pl.records import Cond
 
 
-class FlowGenerator(torch.nn.Module, ABC):
+class FlowGenerator(AdapterIO, torch.nn.Module, ABC):
     """A flow-matching text-to-image/video generator loaded from a diffusers pipeline folder.
 
     The constructor only records and validates its arguments; ``build()`` loads the pipeline's
@@ -346,7 +344,7 @@ class FlowGenerator(torch.nn.Module, ABC):
             if images is None:
                 cond = self._encode(list(texts))
             else:
-                cond = self._encode_with_images(list(texts), _check_images(images, len(texts)))
+                cond = self._encode_with_images(list(texts), check_images(images, len(texts)))
         return {key: value.float() for key, value in cond.items()}
 
     def encode_source(self, images: list[torch.Tensor]) -> Cond:
@@ -360,7 +358,7 @@ class FlowGenerator(torch.nn.Module, ABC):
                 "an editing run needs an editing family (FLUX.1 Kontext, Qwen-Image-Edit-Plus, FLUX.2 [klein])"
             )
         with torch.no_grad():
-            cond = self._encode_source(_check_images(images, None))
+            cond = self._encode_source(check_images(images, None))
         return {key: value.float() for key, value in cond.items()}
 
     def velocity(self, latents: torch.Tensor, sigma: torch.Tensor | float, cond: Cond) -> torch.Tensor:
@@ -393,54 +391,3 @@ class FlowGenerator(torch.nn.Module, ABC):
         with torch.no_grad():
             pixels = self._decode(latents.to(self.vae.dtype))
         return ((pixels.float() + 1.0) / 2.0).clamp(0.0, 1.0)
-
-    # ------------------------------------------------------------------ the adapter
-
-    @contextmanager
-    def adapter_disabled(self) -> Iterator[None]:
-        """Context in which ``velocity`` is the frozen reference policy: LoRA bypassed, or (full fine-tuning)
-        the frozen copy of the initial weights in the transformer's place. Every parameter's
-        ``requires_grad`` is the same afterwards; nested use is a no-op inside."""
-        model = self._require_built()
-        with reference_swapped(self) if self.finetune == "full" else adapter_bypassed(model):
-            yield
-
-    def save_adapter(self, path: str) -> None:
-        """Write ``path/pytorch_lora_weights.safetensors`` with the family pipeline's own
-        ``save_lora_weights`` (``transformer.``-prefixed peft keys plus the LoRA config as metadata, so
-        the scaling survives), which ``<FamilyPipeline>.from_pretrained(...).load_lora_weights(path)``
-        reads as is."""
-        require_lora(self, "save_adapter")
-        model = self._require_built()
-        self.pipeline_class.save_lora_weights(
-            path,
-            transformer_lora_layers=get_peft_model_state_dict(model),
-            transformer_lora_adapter_metadata=model.peft_config["default"].to_dict(),
-        )
-
-    def load_adapter(self, path: str) -> None:
-        """Load LoRA weights written by ``save_adapter`` (a folder or the file) into the adapter in
-        place, raising ``ValueError`` when they do not match this model's adapter."""
-        require_lora(self, "load_adapter")
-        load_lora_file(self._require_built(), path, self.pipeline_class.transformer_name)
-
-    def save_model(self, path: str) -> None:
-        """Write the fully fine-tuned generator as a pipeline folder ``DiffusionPipeline.from_pretrained`` loads:
-        ``pipeline_path``'s components (hard-linked where possible) with the trained transformer (float32, as
-        trained; load with ``torch_dtype`` to cast) in place of the base one."""
-        model = self._require_built()
-        copy_pipeline_folder(self._folder(), path, skip=("transformer",))
-        model.save_pretrained(str(Path(path) / "transformer"))
-
-
-def _check_images(images: list[torch.Tensor], n: int | None) -> list[torch.Tensor]:
-    """``images`` as source images: a non-empty list (of ``n`` when given) of float (3, H, W) tensors in [0, 1]."""
-    if not isinstance(images, (list, tuple)) or not images:
-        raise ValueError("images must be a non-empty list of (3, H, W) tensors")
-    if n is not None and len(images) != n:
-        raise ValueError(f"{len(images)} source images for {n} texts: one per text")
-    for i, image in enumerate(images):
-        if not isinstance(image, torch.Tensor) or image.ndim != 3 or image.shape[0] != 3:
-            shape = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
-            raise ValueError(f"source image {i} must be a (3, H, W) tensor in [0, 1], got {shape}")
-    return [image.float() for image in images]

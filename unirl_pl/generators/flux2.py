@@ -1,5 +1,6 @@
 """FLUX.2 [klein] (base and step-distilled) as a ``FlowGenerator``: Qwen3 hidden states of a few layers
-condition a Flux2 DiT on 2x2-patchified, batch-normalised VAE latents."""
+condition a Flux2 DiT on 2x2-patchified, batch-normalised VAE latents; with a reference (source) image, its
+latents follow the target's tokens as ``Flux2KleinPipeline``'s ``image`` argument puts them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
-from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu, retrieve_latents
 from transformers import Qwen3ForCausalLM
 
+from unirl_pl.experts._common import check_positive
 from unirl_pl.generators.base import Cond
+from unirl_pl.generators.flux_kontext import SOURCE_KEY, check_source_size, resized_source
 from unirl_pl.generators.folder import read_model_index
 from unirl_pl.generators.image import ImageFlowGenerator
 
@@ -54,11 +58,26 @@ class Flux2KleinGenerator(ImageFlowGenerator):
     step-distilled folder (``is_distilled: true`` in ``model_index.json``) samples without it, and
     :meth:`check_guidance` refuses a guidance scale there.
 
+    Editing (a reference image, the pipeline's ``image``): ``encode_source`` resizes each source alone to
+    ``source_size`` and encodes it as ``Flux2KleinPipeline._encode_vae_image`` does (the VAE's mode, 2x2
+    patchify, the batch-norm statistics) into ``source_latents`` (B, in_channels, h/16, w/16 for the real VAE).
+    ``velocity`` appends their tokens after the target's with the pipeline's reference ids
+    (``_prepare_image_ids``: time coordinate 10, the reference's own rows and columns) and keeps the prediction
+    of the target tokens; the schedule's ``mu`` counts the target tokens only, as the pipeline's does. The
+    unconditional branch of classifier-free guidance sees the same reference (the pipeline passes it to both).
+    Without ``source_latents`` in the conditioning everything is text-to-image exactly as before.
+
     Args:
         pipeline_path: Local ``Flux2KleinPipeline`` folder.
         text_encoder_out_layers: Indices into the Qwen3 ``hidden_states`` (0 is the embeddings) whose
             states are stacked into the text features; the pipeline's default is (9, 18, 27). Their count
             times the Qwen3 width must be the transformer's ``joint_attention_dim``.
+        source_size: ``(height, width)`` in pixels every reference image is brought to (multiples of 16 for the
+            real VAE); ``None`` means the sample's ``height`` x ``width``. The pipeline keeps a reference at its
+            own size (at most 1 MP, center-cropped to a multiple of 16) and makes the output that size when none
+            is given; a training batch needs one size, so a reference of another size is resized keeping its
+            aspect ratio and center-cropped (the pipeline never stretches a reference). A reference already at
+            ``source_size`` is used as the pipeline uses it.
         **kwargs: The other ``FlowGenerator`` arguments (``max_sequence_length`` defaults to 512).
     """
 
@@ -68,11 +87,13 @@ class Flux2KleinGenerator(ImageFlowGenerator):
     vae_class = AutoencoderKLFlux2
     default_lora_targets = FLUX2_KLEIN_LORA_TARGETS
     default_max_sequence_length = 512
+    takes_source_images = True
 
     def __init__(
         self,
         pipeline_path: str | None = None,
         text_encoder_out_layers: tuple[int, ...] = (9, 18, 27),
+        source_size: tuple[int, int] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(pipeline_path, **kwargs)
@@ -80,6 +101,11 @@ class Flux2KleinGenerator(ImageFlowGenerator):
         if not layers or min(layers) < 0:
             raise ValueError(f"text_encoder_out_layers must be non-negative layer indices, got {list(layers)}")
         self.text_encoder_out_layers = layers
+        size = (self.height, self.width) if source_size is None else tuple(int(side) for side in source_size)
+        if len(size) != 2:
+            raise ValueError(f"source_size must be [height, width], got {list(size)}")
+        check_positive(source_height=size[0], source_width=size[1])
+        self.source_size: tuple[int, int] = size
 
     # ------------------------------------------------------------------ the folder
 
@@ -129,6 +155,7 @@ class Flux2KleinGenerator(ImageFlowGenerator):
         # The parent checks the size against the VAE and 2x2 grid and gives the VAE latent shape; the
         # sampler works on the patchified grid the pipeline draws its noise on.
         channels, height, width = super()._compute_latent_shape()
+        check_source_size(self.source_size, 2 * self.vae_scale_factor(), self.family)
         return (channels * 4, height // 2, width // 2)
 
     def _schedule_kwargs(self, num_steps: int, scheduler_config: dict[str, Any]) -> dict[str, Any]:
@@ -156,21 +183,47 @@ class Flux2KleinGenerator(ImageFlowGenerator):
         )
         return {"hidden": hidden}
 
+    def _encode_source(self, images: list[torch.Tensor]) -> Cond:
+        # The base processor's "crop" resizes keeping the aspect ratio, then center-crops (Flux2ImageProcessor's
+        # own "crop" only crops: the pipeline keeps a reference at its own size).
+        processor = VaeImageProcessor(vae_scale_factor=2 * self.vae_scale_factor())
+        bn = self.vae.bn
+        latents = []
+        for image in images:  # one at a time: a source's latents never depend on its batch
+            pixels = resized_source(image, self.source_size, processor, resize_mode="crop")
+            pixels = pixels.to(self.vae.device, self.vae.dtype)
+            latent = retrieve_latents(self.vae.encode(pixels), sample_mode="argmax")
+            latent = Flux2KleinPipeline._patchify_latents(latent)
+            mean = bn.running_mean.view(1, -1, 1, 1).to(latent.device, latent.dtype)
+            std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + self.vae.config.batch_norm_eps)
+            latents.append((latent - mean) / std.to(latent.device, latent.dtype))
+        return {SOURCE_KEY: torch.cat(latents)}
+
     def _forward(
         self, transformer: Flux2Transformer2DModel, latents: torch.Tensor, sigma: torch.Tensor, cond: Cond
     ) -> torch.Tensor:
         _, _, height, width = latents.shape
         img_ids = Flux2KleinPipeline._prepare_latent_ids(latents).to(latents.device)
         txt_ids = Flux2KleinPipeline._prepare_text_ids(cond["hidden"]).to(latents.device)
+        tokens, ids = Flux2KleinPipeline._pack_latents(latents), img_ids
+        source = cond.get(SOURCE_KEY)
+        if source is not None:
+            # Flux2KleinPipeline.prepare_image_latents with one reference per sample: its tokens after the
+            # target's, its ids those of the first reference (time coordinate 10) for every row.
+            source_ids = Flux2KleinPipeline._prepare_image_ids([source[:1]]).to(latents.device)
+            tokens = torch.cat([tokens, Flux2KleinPipeline._pack_latents(source)], dim=1)
+            ids = torch.cat([img_ids, source_ids.expand(latents.shape[0], -1, -1)], dim=1)
         velocity = transformer(
-            hidden_states=Flux2KleinPipeline._pack_latents(latents),
+            hidden_states=tokens,
             timestep=sigma,
             guidance=None,
             encoder_hidden_states=cond["hidden"],
             txt_ids=txt_ids,
-            img_ids=img_ids,
+            img_ids=ids,
             return_dict=False,
         )[0]
+        if source is not None:
+            velocity = velocity[:, : height * width]  # the target's tokens
         return Flux2KleinPipeline._unpack_latents_with_ids(velocity, img_ids, height, width)
 
     def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:

@@ -131,8 +131,10 @@ class ExperienceSource:
         assert self.ar_decode is not None
         req = [batch.request_ids[i // k] for i in rows]
         idx = [layout.text_sample_index(p)[i] for i in rows]
-        # An edit's refiner sees each prompt's source image (a VLM refiner; others refuse it).
-        images = {} if batch.sources is None else {"images": [batch.sources[i // k].pixels for i in rows]}
+        # An edit's refiner sees each prompt's source image when it can (a VLM refiner with its image processor);
+        # a text refiner rewrites the instruction alone.
+        sees = batch.sources is not None and getattr(self.ar_decode.llm, "sees_images", False)
+        images = {"images": [batch.sources[i // k].pixels for i in rows]} if sees else {}  # type: ignore[index]
         with timing.phase("decode"):
             refined_rows, record = self.ar_decode.sample(
                 [texts[i] for i in rows],

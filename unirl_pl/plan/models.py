@@ -34,6 +34,7 @@ SHIPPED = ASSETS / "configs"
 DEFAULT_PIPELINES: dict[str, str] = {
     "SD3Generator": "stable-diffusion-3.5-medium",
     "FluxGenerator": "FLUX.1-dev",
+    "FluxKontextGenerator": "FLUX.1-Kontext-dev",
     "Flux2KleinGenerator": "FLUX.2-klein-base-4B",
     "WanGenerator": "Wan2.1-T2V-1.3B-Diffusers",
     "QwenImageGenerator": "Qwen-Image",

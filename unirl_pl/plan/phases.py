@@ -104,9 +104,16 @@ def lm_record(input_ids: Tensor, attention_mask: Tensor, gen_mask: Tensor, old_l
     )
 
 
-def text_encode(generator: torch.nn.Module, texts: int) -> Cond:
-    """``generator.encode`` of one batch of ``texts`` texts (the feature cache encodes in fixed batches)."""
-    return generator.encode(["a prompt"] * texts)
+def text_encode(generator: torch.nn.Module, texts: int, sources: bool = False) -> Cond:
+    """``generator.encode`` of one batch of ``texts`` texts (the feature cache encodes in fixed batches). With
+    ``sources`` (an editing step) it also encodes one source image per text, made at the size the family resizes
+    sources to (``source_size``, else the sample's), and that conditioning (the source latents, whose tokens
+    lengthen every DiT forward) joins the text features', as the trainer merges them."""
+    cond = generator.encode(["a prompt"] * texts)
+    if sources:
+        height, width = getattr(generator, "source_size", None) or (generator.height, generator.width)
+        cond |= generator.encode_source([torch.rand(3, height, width) for _ in range(texts)])
+    return cond
 
 
 def noise_level(loop: DiffusionDenoise) -> float:

@@ -247,6 +247,13 @@ def plan_step(
         "fake CPU tensors: attention has its flash kernel's memory; the CUDA context, cuBLAS/NCCL workspaces and "
         "allocator fragmentation hold no tensor and are what --reserve-gb sets aside",
     ]
+    if recipe.edits:
+        generator = experts.generator
+        height, width = getattr(generator, "source_size", None) or (generator.height, generator.width)
+        result.notes.append(
+            f"editing: each sample's source image ({height} x {width} px) is encoded with its text, and its latents' "
+            "tokens join the target's in every DiT forward"
+        )
     if experts.resident:
         result.notes.append(
             f"{len(experts.resident) + 1} generator experts resident with their LoRA state; one traces the step"
@@ -291,7 +298,7 @@ def _fixed_phases(
     generator = experts.generator
     found: dict[str, Any] = {"usage": {}}
     # One untracked text gives the feature shapes the cache (resident while encoding) is made of.
-    cond_rows = {k: (tuple(v.shape[1:]), v.dtype) for k, v in phases.text_encode(generator, 1).items()}
+    cond_rows = {k: (tuple(v.shape[1:]), v.dtype) for k, v in phases.text_encode(generator, 1, recipe.edits).items()}
     found["cond_rows"] = cond_rows
     cache = experience(sizes, generator.latent_shape, cond_rows, None, {"cache"})
     if refines:
@@ -301,7 +308,7 @@ def _fixed_phases(
     lm_record = {"lm_record"} if Role.REFINER in trained else set()
     resident = experience(sizes, generator.latent_shape, cond_rows, None, {"cache"} | lm_record)
     with tracer.tracking("text_encode", resident) as t:
-        phases.text_encode(generator, sizes.encode_batch)
+        phases.text_encode(generator, sizes.encode_batch, recipe.edits)
     found["usage"]["text_encode"] = t.peak()
     parts = {"cache", "cond", "latents"} | lm_record | ({"record"} if Role.GENERATOR in trained else set())
     resident = experience(sizes, generator.latent_shape, cond_rows, None, parts)

@@ -83,6 +83,8 @@ class StepRecipe:
         rewards: The reward terms by name with their arguments (``model.reward_args`` in the short form, a
             component's ``init_args``).
         reward_paths: The class path of each term given as a component (short-form names resolve by registry).
+        edits: Whether the step edits: the generator takes source images and the training prompts hold them (see
+            :func:`recipe_edits`), so every DiT forward also carries a source image's tokens.
     """
 
     generator_class: type
@@ -105,6 +107,7 @@ class StepRecipe:
     rewards: dict[str, dict[str, Any]] = field(default_factory=dict)
     reward_paths: dict[str, str] = field(default_factory=dict)
     llm_class: type | None = None
+    edits: bool = False
 
     @property
     def gradient_checkpointing(self) -> bool:
@@ -197,8 +200,32 @@ def step_recipe(config: dict[str, Any], devices: int | None = None) -> StepRecip
         devices=world,
         fsdp="ModelParallelStrategy" in str(strategy_name),
         reshard_after_forward=bool(model["reshard_after_forward"]),
+        edits=recipe_edits(generator_class, data["prompts"]),
         **_rewards(model),
     )
+
+
+EDIT_FIRST_FAMILIES = ("FluxKontextGenerator", "QwenImageEditPlusGenerator")
+"""Editing models a plan counts with their source images when it cannot read the recipe's prompt file here (a
+family that also generates from text alone, FLUX.2 [klein], is then planned without)."""
+
+
+def recipe_edits(generator_class: type, prompts: Any) -> bool:
+    """Whether a step of this recipe carries source images: the generator takes them (``takes_source_images``)
+    and the training prompt file names them (``image`` in its rows, as the data module reads it). A prompt file
+    that is not here (a path on the training machine) counts as editing for the models in
+    :data:`EDIT_FIRST_FAMILIES` only."""
+    from unirl_pl.data import load_prompt_records
+
+    if not getattr(generator_class, "takes_source_images", False):
+        return False
+    if not isinstance(prompts, str):
+        return False  # inline prompts or the embedded set: text only
+    try:
+        _, rows = load_prompt_records(prompts)
+    except (OSError, ValueError):
+        return generator_class.__name__ in EDIT_FIRST_FAMILIES
+    return any(row is not None and "image" in row for row in rows or [])
 
 
 def _algorithm(node: dict[str, Any], key: str) -> Any:

@@ -70,6 +70,7 @@ DEVICE_REWARDS: dict[str, str] = {
     "aesthetic": "unirl_pl.rewards.clip_models.Aesthetic",
     "hpsv2": "unirl_pl.rewards.hpsv2.HPSv2",
     "imagereward": "unirl_pl.rewards.imagereward.ImageReward",
+    "clip_directional": "unirl_pl.rewards.clip_directional.CLIPDirectional",
 }
 """The registered rewards that run a torch model in the trainer's process."""
 
@@ -83,6 +84,9 @@ HOST_REWARDS: dict[str, str] = {
     "brightness": "a mean over the images",
     "contains_word": "the refined text only",
     "refiner_format": "the refined text only",
+    "edit_judge": "a VLM server over HTTP",
+    "promptrl_format": "the refiner's replies only",
+    "promptrl_edit_format": "the refiner's replies only",
 }
 """Where the other registered rewards score (none holds a model on the trainer's device)."""
 

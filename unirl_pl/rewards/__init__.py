@@ -3,12 +3,14 @@
 ``images`` is a float tensor (N, 3, H, W) in [0, 1]; ``prompts`` are the original user prompts and
 ``refined_prompts`` what the generator was conditioned on; a reward that declares a ``metadata``
 parameter also gets each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`), one that declares
-``replies`` the refiner's raw reply of each sample (:mod:`unirl_pl.rewards.replies`). A recipe names
+``replies`` the refiner's raw reply of each sample (:mod:`unirl_pl.rewards.replies`), one that declares ``sources``
+an editing sample's source image (:mod:`unirl_pl.rewards.sources`). A recipe names
 rewards as components (``class_path`` + ``init_args`` + ``weight``: :class:`RewardTerm` of a :class:`Reward`)
 or in the short form, registry names or dotted paths (``mypkg.rewards.my_reward``) with a weight each; their
 weighted sum is the scalar the advantages are computed from (after per-term group normalization when asked).
-Preference scorers run in process (``clip_models``, ``hpsv2``, ``hpsv3``, ``imagereward``), VLM judges over an
-OpenAI-compatible API (``vlm_judge``), anything else behind the reference server (``server``, ``http``).
+Preference scorers run in process (``clip_models``, ``hpsv2``, ``hpsv3``, ``imagereward``; ``clip_directional``
+for edits), VLM judges over an OpenAI-compatible API (``vlm_judge``; ``edit_judge`` for edits), anything else
+behind the reference server (``server``, ``http``).
 """
 
 from unirl_pl.rewards.base import Reward, RewardTerm
@@ -18,6 +20,7 @@ from unirl_pl.rewards.builtin import (
     ContainsWord,
     JPEGCompressibility,
     JPEGIncompressibility,
+    PromptRLEditFormat,
     PromptRLFormat,
     RefinerFormat,
     RewardFn,
@@ -27,7 +30,9 @@ from unirl_pl.rewards.builtin import (
     registered_rewards,
     resolve_reward,
 )
+from unirl_pl.rewards.clip_directional import CLIPDirectional
 from unirl_pl.rewards.clip_models import Aesthetic, CLIPScore, PickScore
+from unirl_pl.rewards.edit_judge import EditJudge
 from unirl_pl.rewards.hpsv2 import HPSv2
 from unirl_pl.rewards.hpsv3 import HPSv3
 from unirl_pl.rewards.http import HTTPReward, RewardServerError
@@ -41,8 +46,10 @@ __all__ = [
     "REGISTRY",
     "Aesthetic",
     "Brightness",
+    "CLIPDirectional",
     "CLIPScore",
     "ContainsWord",
+    "EditJudge",
     "HPSv2",
     "HPSv3",
     "HTTPReward",
@@ -51,6 +58,7 @@ __all__ = [
     "JPEGIncompressibility",
     "OCRReward",
     "PickScore",
+    "PromptRLEditFormat",
     "PromptRLFormat",
     "RefinerFormat",
     "Reward",

@@ -35,7 +35,8 @@ class Reward:
     term's default metric name. ``images`` are ``(N, 3, H, W)`` in ``[0, 1]`` (videos ``(N, F, 3, H, W)``: a
     reward without ``accepts_video = True`` gets them frame by frame). A ``metadata`` keyword parameter, when
     declared, receives each sample's prompt metadata (:mod:`unirl_pl.rewards.metadata`); a ``replies`` keyword
-    parameter each sample's raw refiner reply, None where unrefined (:mod:`unirl_pl.rewards.replies`).
+    parameter each sample's raw refiner reply, None where unrefined (:mod:`unirl_pl.rewards.replies`); a ``sources``
+    keyword parameter, in an editing run, each sample's source image (:mod:`unirl_pl.rewards.sources`).
     """
 
     name: ClassVar[str] = ""

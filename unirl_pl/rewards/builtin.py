@@ -22,6 +22,7 @@ from torch import Tensor
 
 from unirl_pl.rewards.base import Reward
 from unirl_pl.rewards.replies import Reply
+from unirl_pl.rewards.sources import Source, unique_sources
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -35,6 +36,7 @@ __all__ = [
     "REGISTRY",
     "Brightness",
     "ContainsWord",
+    "PromptRLEditFormat",
     "PromptRLFormat",
     "RefinerFormat",
     "RewardFn",
@@ -197,6 +199,61 @@ class PromptRLFormat(Reward):
         return [self.unrefined if t is None else float(self._pattern.search(t) is not None) for t in texts]
 
 
+class PromptRLEditFormat(PromptRLFormat):
+    """PromptRL's format reward as its *edit* trainer gives it: a refined sample scores its own reply (1.0 when it
+    holds a closed ``<answer>...</answer>``, as :class:`PromptRLFormat`), and a sample that kept the original
+    instruction scores the mean of its group's refined samples (``no_refined`` when none of the group was refined).
+
+    G-U-N/UniRL @53c28c9: the pattern is ``format_reward`` of ``unirl/train_edit.py`` (the same as the text-to-image
+    one), and ``EditJointGRPOTrainer.compute_rewards`` (``unirl/trainer/edit_grpo_trainer.py``, the ``format``
+    branch) fills each prompt's unrefined rows with its refined rows' mean, 0.0 for a prompt without any. An
+    unrefined sample then sits at its group's mean of this term: the term moves only the refined samples'
+    advantages against each other, never the unrefined ones' against the refined, whatever ``unrefined`` value
+    :class:`PromptRLFormat` would have fixed.
+
+    A group is the samples of one instruction and one source image (the ``sources`` keyword; an edit prompt file
+    may give one instruction to several images); without sources, of one instruction. A caller that passes no
+    replies gets the refined prompts read as every sample's reply (as :class:`PromptRLFormat`).
+
+    Args:
+        tag: The tag name (``answer``: ``<answer>...</answer>``).
+        no_refined: The value of the samples of a group none of which was refined.
+    """
+
+    name = "promptrl_edit_format"
+
+    def __init__(self, tag: str = "answer", no_refined: float = 0.0) -> None:
+        super().__init__(tag=tag)
+        if not math.isfinite(no_refined):
+            raise ValueError(f"no_refined must be a finite number, got {no_refined}")
+        self.no_refined = float(no_refined)
+
+    def __call__(  # type: ignore[override]
+        self,
+        prompts: list[str],
+        refined_prompts: list[str],
+        images: Tensor,
+        replies: list[Reply] | None = None,
+        sources: list[Source] | None = None,
+    ) -> list[float]:
+        if replies is None:
+            return super().__call__(prompts, refined_prompts, images)
+        own = [None if r is None else float(self._pattern.search(r) is not None) for r in replies]
+        present = [s for s in sources or [] if s is not None]
+        _, index = unique_sources(present)
+        where = iter(index)
+        picture = [None if sources is None or s is None else next(where) for s in sources or [None] * len(prompts)]
+        refined: dict[tuple[str, int | None], list[float]] = {}
+        for prompt, key, score in zip(prompts, picture, own, strict=True):
+            if score is not None:
+                refined.setdefault((prompt, key), []).append(score)
+        out = []
+        for prompt, key, score in zip(prompts, picture, own, strict=True):
+            group = refined.get((prompt, key))
+            out.append(score if score is not None else sum(group) / len(group) if group else self.no_refined)
+        return out
+
+
 REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "jpeg_compressibility": JPEGCompressibility,
     "jpeg_incompressibility": JPEGIncompressibility,
@@ -204,6 +261,7 @@ REGISTRY: dict[str, Callable[..., RewardFn]] = {
     "contains_word": ContainsWord,
     "refiner_format": RefinerFormat,
     "promptrl_format": PromptRLFormat,
+    "promptrl_edit_format": PromptRLEditFormat,
 }
 
 
@@ -230,6 +288,8 @@ REGISTRY["hpsv2"] = _lazy("unirl_pl.rewards.hpsv2", "HPSv2")
 REGISTRY["hpsv3"] = _lazy("unirl_pl.rewards.hpsv3", "HPSv3")
 REGISTRY["imagereward"] = _lazy("unirl_pl.rewards.imagereward", "ImageReward")
 REGISTRY["vlm_judge"] = _lazy("unirl_pl.rewards.vlm_judge", "VLMJudge")
+REGISTRY["edit_judge"] = _lazy("unirl_pl.rewards.edit_judge", "EditJudge")
+REGISTRY["clip_directional"] = _lazy("unirl_pl.rewards.clip_directional", "CLIPDirectional")
 
 
 def registered_rewards() -> list[str]:

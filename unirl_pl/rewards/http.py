@@ -7,7 +7,9 @@ dependency. Protocol (see docs/rewards.md): POST ``{"prompts": [...], "refined_p
 "images": [...]}`` where each image is a base64-encoded PNG (or JPEG) string and each video a list
 of such strings, one per frame; the reply is ``{"scores": [float, ...]}``, one finite number per
 sample. When the prompts carry metadata (a JSONL prompt file's other fields, such as GenEval's ``include``),
-the request also holds ``"metadata": [...]``, one JSON object (or null) per sample.
+the request also holds ``"metadata": [...]``, one JSON object (or null) per sample; when they carry source
+images (an editing run), ``"sources": [...]``, one base64 image (or null) per sample, encoded as the images are
+(each at its own size).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from PIL import Image
 from torch import Tensor
 
 from unirl_pl.rewards.base import Reward
-from unirl_pl.rewards.metadata import Metadata, check_metadata
+from unirl_pl.rewards.metadata import Metadata, check_metadata, check_per_sample
+from unirl_pl.rewards.sources import Source, check_sources, unique_sources
 from unirl_pl.rewards.transport import MAX_REPLY_BYTES, RewardServerError, post
 
 IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG"}
@@ -65,22 +68,15 @@ def encode_images(images: Tensor, image_format: str = "png") -> list[str] | list
     return [[one(frame) for frame in clip] for clip in arr]
 
 
-def decode_images(
-    items: list[Any], max_image_pixels: int = MAX_IMAGE_PIXELS, max_total_pixels: int = MAX_TOTAL_PIXELS
-) -> Tensor:
-    """The inverse of :func:`encode_images`: float (N, 3, H, W) or (N, F, 3, H, W) in [0, 1].
+class _Pixels:
+    """Decodes base64 PNG/JPEG images one at a time, counting their pixels against a per-image and a running
+    per-request limit, both read from each image's header before any pixel is decompressed."""
 
-    Accepts plain base64 or ``data:image/...;base64,`` URIs of PNG or JPEG images only. All images (and
-    all frames) must share one size, since rewards take a single stacked tensor; a ``ValueError`` says
-    what is wrong. An image declaring more than ``max_image_pixels`` pixels, or a list declaring more
-    than ``max_total_pixels`` in all, raises :class:`ImageTooLarge` before any pixel is decompressed.
-    """
-    if not isinstance(items, list) or not items:
-        raise ValueError("'images' must be a non-empty list")
-    total = 0
+    def __init__(self, max_image_pixels: int, max_total_pixels: int, used: int = 0) -> None:
+        self.max_image_pixels, self.max_total_pixels, self.total = max_image_pixels, max_total_pixels, used
 
-    def one(text: Any, where: str) -> np.ndarray:
-        nonlocal total
+    def decode(self, text: Any, where: str) -> np.ndarray:
+        """The RGB pixels (H, W, 3) uint8 of one image; ValueError (ImageTooLarge) naming ``where`` otherwise."""
         if not isinstance(text, str):
             raise ValueError(f"{where}: expected a base64 string, got {type(text).__name__}")
         if text.startswith("data:"):
@@ -93,13 +89,13 @@ def decode_images(
             with Image.open(io.BytesIO(data), formats=DECODE_FORMATS) as img:
                 # Image.open reads the header only: refuse a decompression bomb before decoding it.
                 width, height = img.size
-                total += width * height
-                if width * height > max_image_pixels:
+                self.total += width * height
+                if width * height > self.max_image_pixels:
                     raise ImageTooLarge(
-                        f"{where}: {width}x{height} is over the limit of {max_image_pixels} pixels per image"
+                        f"{where}: {width}x{height} is over the limit of {self.max_image_pixels} pixels per image"
                     )
-                if total > max_total_pixels:
-                    raise ImageTooLarge(f"{where}: the images declare over {max_total_pixels} pixels in all")
+                if self.total > self.max_total_pixels:
+                    raise ImageTooLarge(f"{where}: the images declare over {self.max_total_pixels} pixels in all")
                 return np.array(img.convert("RGB"))
         except ImageTooLarge:
             raise
@@ -110,6 +106,22 @@ def decode_images(
             raise ValueError(f"{where}: not a {' or '.join(DECODE_FORMATS)} image (the formats accepted)") from None
         except Exception as err:  # truncated or corrupt data raises many types inside PIL: all the sender's fault
             raise ValueError(f"{where}: cannot decode the image ({type(err).__name__}: {err})") from None
+
+
+def decode_images(
+    items: list[Any], max_image_pixels: int = MAX_IMAGE_PIXELS, max_total_pixels: int = MAX_TOTAL_PIXELS
+) -> Tensor:
+    """The inverse of :func:`encode_images`: float (N, 3, H, W) or (N, F, 3, H, W) in [0, 1].
+
+    Accepts plain base64 or ``data:image/...;base64,`` URIs of PNG or JPEG images only. All images (and
+    all frames) must share one size, since rewards take a single stacked tensor; a ``ValueError`` says
+    what is wrong. An image declaring more than ``max_image_pixels`` pixels, or a list declaring more
+    than ``max_total_pixels`` in all, raises :class:`ImageTooLarge` before any pixel is decompressed.
+    """
+    if not isinstance(items, list) or not items:
+        raise ValueError("'images' must be a non-empty list")
+    budget = _Pixels(max_image_pixels, max_total_pixels)
+    one = budget.decode
 
     is_video = isinstance(items[0], list)
     if any(isinstance(item, list) != is_video for item in items):
@@ -126,6 +138,41 @@ def decode_images(
     return torch.from_numpy(np.stack(arrays)).movedim(-1, -3).float() / 255
 
 
+def decode_sources(
+    items: Any,
+    n: int,
+    max_image_pixels: int = MAX_IMAGE_PIXELS,
+    max_total_pixels: int = MAX_TOTAL_PIXELS,
+    used_pixels: int = 0,
+) -> list[Tensor | None]:
+    """A request's ``"sources"``: one base64 PNG/JPEG (or null) per sample, each decoded to float ``(3, H, W)`` in
+    [0, 1] at its own size. The checks are :func:`decode_images`' (the formats, corrupt data, ``max_image_pixels``
+    per image from its header), and the sources' pixels count with the ``used_pixels`` of the request's images
+    against ``max_total_pixels``; a list that is not ``n`` strings or nulls is a ``ValueError``."""
+    check_per_sample(items, n, "sources", str, "base64 image string")
+    budget = _Pixels(max_image_pixels, max_total_pixels, used_pixels)
+    decoded: dict[str, Tensor] = {}  # a group's K samples share one source: decoded once
+    out: list[Tensor | None] = []
+    for i, item in enumerate(items):
+        if item is None:
+            out.append(None)
+            continue
+        if item not in decoded:
+            decoded[item] = torch.from_numpy(budget.decode(item, f"sources[{i}]")).movedim(-1, 0).float() / 255
+        out.append(decoded[item])
+    return out
+
+
+def encode_sources(sources: list[Source], image_format: str = "png") -> list[str | None]:
+    """Base64 strings of per-sample source images (each ``(3, H, W)`` at its own size), None kept; a source
+    repeated across samples is encoded once."""
+    present = [s for s in sources if s is not None]
+    firsts, index = unique_sources(present)
+    encoded = [encode_images(s[None], image_format)[0] for s in firsts]
+    where = iter(index)
+    return [None if s is None else encoded[next(where)] for s in sources]  # type: ignore[misc]
+
+
 class HTTPReward(Reward):
     """A reward computed by a remote server: POSTs the samples as JSON and returns the scores it sends back.
 
@@ -133,10 +180,11 @@ class HTTPReward(Reward):
     base64-encoded, videos as per-frame lists; see :func:`encode_images`) and each reply must be
     ``{"scores": [...]}`` with one finite number per sample. Given per-sample ``metadata`` (each prompt's
     JSONL row: a GenEval server scores against its ``include`` spec), a request also holds ``"metadata"``,
-    that batch's slice, one object or null per sample; without it the request is as before. Each request must
-    be answered in full
-    within ``timeout_s``; a timeout, a refused or dropped connection, a 5xx, a 408 or a 429 is retried
-    ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...; a 429/503's
+    that batch's slice, one object or null per sample; without it the request is as before. Given source images
+    (``sources``, an editing run: :mod:`unirl_pl.rewards.sources`) and ``send_sources``, a request also holds
+    ``"sources"``, one base64 image (or null) per sample in ``image_format``, each at its own size. Each request
+    must be answered in full within ``timeout_s``; a timeout, a refused or dropped connection, a 5xx, a 408 or a
+    429 is retried ``max_retries`` times with exponential backoff (``backoff_s``, then twice that, ...; a 429/503's
     ``Retry-After`` replaces the wait, and fails the request at once if it reaches past the budget), so one request
     takes at most ``timeout_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` seconds. Then,
     or at once on another 4xx, a redirect (never followed), a reply over ``max_reply_bytes`` or a
@@ -156,6 +204,8 @@ class HTTPReward(Reward):
         overlap: Let the trainer send a micro-batch's request while the next micro-batch decodes
             (decoding then goes ``batch_size`` images at a time; see :mod:`unirl_pl.rewards.overlap`).
         max_reply_bytes: Largest reply accepted, so a misbehaving peer cannot exhaust memory.
+        send_sources: Send each sample's source image when the run has them (editing). Turn it off for a served
+            reward that does not read them: a source image can weigh as much as the edited one.
     """
 
     name = "http"
@@ -173,6 +223,7 @@ class HTTPReward(Reward):
         headers: dict[str, str] | None = None,
         overlap: bool = True,
         max_reply_bytes: int = MAX_REPLY_BYTES,
+        send_sources: bool = True,
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {url!r}")
@@ -188,6 +239,7 @@ class HTTPReward(Reward):
         # Per-sample scores from a server: safe to request chunk by chunk while the rest decodes.
         self.remote, self.overlap_chunk = overlap, batch_size
         self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.send_sources = send_sources
 
     def _post(self, payload: bytes) -> bytes:
         # transport.post keeps no connection between calls, so the reward stays picklable for spawned workers.
@@ -228,12 +280,17 @@ class HTTPReward(Reward):
         refined_prompts: list[str],
         images: Tensor,
         metadata: list[Metadata] | None = None,
+        sources: list[Source] | None = None,
     ) -> list[float]:
         n = images.shape[0]
         if len(prompts) != n or len(refined_prompts) != n:
             raise ValueError(f"{len(prompts)} prompts and {len(refined_prompts)} refined prompts for {n} images")
         if metadata is not None:
             check_metadata(metadata, n)  # the server would refuse it (400) after the images were encoded
+        if not self.send_sources:
+            sources = None
+        if sources is not None:
+            check_sources(sources, n, f"reward {self.name!r}")
         scores: list[float] = []
         for lo in range(0, n, self.batch_size):
             hi = min(lo + self.batch_size, n)
@@ -244,5 +301,7 @@ class HTTPReward(Reward):
             }
             if metadata is not None:
                 payload["metadata"] = list(metadata[lo:hi])
+            if sources is not None:
+                payload["sources"] = encode_sources(list(sources[lo:hi]), self.image_format)
             scores.extend(self._parse(self._post(json.dumps(payload).encode("utf-8")), hi - lo))
         return scores

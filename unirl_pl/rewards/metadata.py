@@ -38,6 +38,12 @@ def accepts_metadata(fn: Any) -> bool:
     return accepts_keyword(fn, "metadata")
 
 
+def accepts_sources(fn: Any) -> bool:
+    """Whether ``fn`` declares a ``sources`` keyword (and so is given each sample's source image when editing:
+    :mod:`unirl_pl.rewards.sources`)."""
+    return accepts_keyword(fn, "sources")
+
+
 def check_per_sample(items: Any, n: int, key: str, kind: type, what: str) -> list[Any]:
     """``items`` as the ``key`` of ``n`` samples: a list of ``n`` items, each a ``kind`` (``what``, as a message
     names it) or None, else a ValueError saying what is wrong (the reward server answers it with 400)."""
@@ -58,21 +64,30 @@ def check_metadata(items: Any, n: int) -> list[Metadata]:
 
 class WithMetadata:
     """A weighted reward whose every call carries fixed per-sample metadata and refiner replies (either may be
-    None), for a caller that only knows ``reward(prompts, refined_prompts, images)`` (validation and predict
-    score a batch that way).
+    None), and, when editing, the samples' source images, for a caller that only knows
+    ``reward(prompts, refined_prompts, images)`` (validation and predict score a batch that way).
 
-    Everything else (``terms``, ``weights``, ...) is the wrapped reward's.
+    ``sources`` goes to the wrapped reward only when it is not None, so a wrapped reward that knows nothing of
+    source images is called as before. Everything else (``terms``, ``weights``, ...) is the wrapped reward's.
     """
 
-    def __init__(self, reward: Any, metadata: list[Metadata] | None, replies: list[str | None] | None = None) -> None:
-        self.reward, self.metadata, self.replies = reward, metadata, replies
+    def __init__(
+        self,
+        reward: Any,
+        metadata: list[Metadata] | None,
+        replies: list[str | None] | None = None,
+        sources: list[Any] | None = None,
+    ) -> None:
+        self.reward, self.metadata, self.replies, self.sources = reward, metadata, replies, sources
 
     def __getattr__(self, name: str) -> Any:
         # Only called for names not set in __init__: the wrapped reward answers them. Its own fields are
         # refused here, so a half-built copy (copy, pickle) cannot recurse looking for ``reward``.
-        if name in ("reward", "metadata", "replies"):
+        if name in ("reward", "metadata", "replies", "sources"):
             raise AttributeError(name)
         return getattr(self.reward, name)
 
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: Any, **kwargs: Any) -> Any:
+        if self.sources is not None:
+            kwargs = {"sources": self.sources, **kwargs}
         return self.reward(prompts, refined_prompts, images, metadata=self.metadata, replies=self.replies, **kwargs)

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-# name -> score(prompts, refined_prompts, images[, metadata]) -> (n,) values, e.g. a bound
-# ``WeightedSum.score_term`` (which hands the metadata on only to a term that declares it).
+# name -> score(prompts, refined_prompts, images[, metadata, replies, sources]) -> (n,) values, e.g. a bound
+# ``WeightedSum.score_term`` (which hands each on only to a term that declares it).
 TermScorer = Callable[..., Tensor]
 
 
@@ -47,11 +47,12 @@ def decode_while_scoring(
     max_workers: int = 8,
     metadata: list[Any] | None = None,
     replies: list[Any] | None = None,
+    sources: list[Any] | None = None,
 ) -> tuple[Tensor, dict[str, Callable[[], Tensor]]]:
     """Decode ``latents`` ``chunk`` at a time, submitting each decoded chunk to every scorer in a thread.
 
     With ``metadata`` (one item per sample), each chunk's scorer call gets its slice as ``metadata=``; the same
-    for ``replies``.
+    for ``replies`` and ``sources`` (an editing run's source images).
 
     Returns the images (all chunks concatenated, as one decode would give them) and, per scorer, a
     function that waits for its chunks and returns their values in order; an exception a scorer raised
@@ -67,6 +68,8 @@ def decode_while_scoring(
             extra = {} if metadata is None else {"metadata": metadata[lo:hi]}
             if replies is not None:
                 extra["replies"] = replies[lo:hi]
+            if sources is not None:
+                extra["sources"] = sources[lo:hi]
             for name, score in scorers.items():
                 futures[name].append(pool.submit(score, prompts[lo:hi], refined_prompts[lo:hi], pixels, **extra))
             images.append(pixels)

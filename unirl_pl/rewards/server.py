@@ -3,7 +3,8 @@
 Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (or ``python -m
 unirl_pl.rewards.server ...``) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path)
 takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample,
-handed to a reward that declares a ``metadata`` parameter) and answers ``{"scores": [...]}``; ``GET /health``
+handed to a reward that declares a ``metadata`` parameter, and ``"sources"``, one base64 source image or null per
+sample, handed decoded to a reward that declares ``sources``) and answers ``{"scores": [...]}``; ``GET /health``
 answers ``{"status": "ok", "reward": name}``. LitServe (the ``serve`` extra: ``pip install 'unirl_pl[serve]'``)
 runs the reward in a worker process of its own (:mod:`unirl_pl.rewards.server_worker`) and batches concurrent
 requests (several trainer ranks, or one client's overlapping calls): the requests that reach the worker within
@@ -63,9 +64,11 @@ class RewardServer:
     (else the connection is closed, unanswered), the body within another ``read_timeout_s`` (408); the JSON must
     parse (400, deep nesting included); ``prompts`` and ``refined_prompts`` must be lists of strings as long as
     ``images`` (400); ``metadata``, when present and not null, must be a list as long as ``prompts`` of JSON objects
-    or nulls (400); images must be PNG or JPEG (400) within the pixel limits (413, checked from the image header
-    before decoding). Each error reply is ``{"error": "..."}`` and closes the connection. A reward call that
-    raises, or returns the wrong count or a non-finite score, fails only the request that causes it (500).
+    or nulls (400); ``sources``, when present and not null, a list as long as ``prompts`` of base64 strings or nulls
+    (400); images and source images must be PNG or JPEG (400) within the pixel limits, the sources' pixels counted
+    with the images' (413, checked from the image header before decoding). Each error reply is ``{"error": "..."}``
+    and closes the connection. A reward call that raises, or returns the wrong count or a non-finite score, fails
+    only the request that causes it (500).
 
     Args:
         reward_name: Registry name or dotted path; the reward is built in LitServe's worker process.

@@ -30,7 +30,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from unirl_pl.rewards.metadata import check_metadata
+from unirl_pl.rewards.metadata import check_metadata, check_per_sample
 
 # What a request may not get through: (HTTP status, message), answered as {"error": message}.
 Refusal = tuple[int, str]
@@ -197,6 +197,11 @@ def check_request(body: bytes) -> Refusal | None:
     if request.get("metadata") is not None:  # null means none
         try:
             check_metadata(request["metadata"], len(prompts))
+        except ValueError as err:
+            return 400, f"bad request: {err}"
+    if request.get("sources") is not None:  # null means none; the images themselves are checked when decoded
+        try:
+            check_per_sample(request["sources"], len(prompts), "sources", str, "base64 image string")
         except ValueError as err:
             return 400, f"bad request: {err}"
     if not isinstance(images, list) or not images:

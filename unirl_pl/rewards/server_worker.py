@@ -1,9 +1,10 @@
 """The reward server's worker (:mod:`unirl_pl.rewards.server` starts it, with LitServe): the reward as LitServe's
 API, in the process LitServe spawns for it. LitServe batches the requests that reach it (``max_batch_size``,
-``batch_timeout``); :class:`RewardAPI` builds the reward in ``setup``, decodes each request's images (PNG/JPEG,
-pixel limits from the header before decoding; a refusal is that request's reply, never an exception that would
-fail LitServe's batch), groups a batch by image size into reward calls of at most ``max_samples`` samples, and
-scores again alone each request of a failed call, so that only the request that breaks the reward gets its 500.
+``batch_timeout``); :class:`RewardAPI` builds the reward in ``setup``, decodes each request's images and source
+images (PNG/JPEG, pixel limits from the header before decoding; a refusal is that request's reply, never an
+exception that would fail LitServe's batch), groups a batch by image size into reward calls of at most
+``max_samples`` samples, and scores again alone each request of a failed call, so that only the request that
+breaks the reward gets its 500.
 The HTTP front is :mod:`unirl_pl.rewards.server_front`.
 """
 
@@ -19,8 +20,8 @@ import torch
 from torch import Tensor
 
 from unirl_pl.rewards.builtin import resolve_reward
-from unirl_pl.rewards.http import ImageTooLarge, decode_images
-from unirl_pl.rewards.metadata import Metadata, accepts_metadata
+from unirl_pl.rewards.http import ImageTooLarge, decode_images, decode_sources
+from unirl_pl.rewards.metadata import Metadata, accepts_metadata, accepts_sources
 from unirl_pl.rewards.server_front import Refusal, exit_with_parent
 
 
@@ -41,6 +42,7 @@ class _Job:
     refined: list[str]
     images: Tensor
     metadata: list[Metadata] | None
+    sources: list[Tensor | None] | None = None
 
 
 class RewardAPI(ls.LitAPI):
@@ -75,7 +77,7 @@ class RewardAPI(ls.LitAPI):
         self.max_image_pixels, self.max_total_pixels = max_image_pixels, max_total_pixels
         self.setup_errors, self.parent_pid = setup_errors, parent_pid
         self.reward: Any = None
-        self.takes_metadata = False
+        self.takes_metadata = self.takes_sources = False
 
     def setup(self, device: Any) -> None:
         # Ctrl-C reaches every process of the terminal's group: the worker is stopped by LitServe's shutdown (as its
@@ -91,15 +93,21 @@ class RewardAPI(ls.LitAPI):
             for handler in logging.getLogger("litserve").handlers:
                 handler.addFilter(_not_reported)
             raise RewardSetupFailed(message) from None
-        self.takes_metadata = accepts_metadata(self.reward)  # read once: the reward does not change
+        # Read once: the reward does not change.
+        self.takes_metadata, self.takes_sources = accepts_metadata(self.reward), accepts_sources(self.reward)
 
     # decode_request's parameter and encode_response's return stay unannotated: LitServe reads them as the
     # route's request and response types (a plain JSON body in, a dict or a Response out).
     def decode_request(self, request):
-        """The request's images decoded (PNG/JPEG within the pixel limits), or its refusal (400/413/500)."""
+        """The request's images and source images decoded (PNG/JPEG within the pixel limits, the sources' pixels
+        counted with the images'), or its refusal (400/413/500)."""
         try:
             images = decode_images(request["images"], self.max_image_pixels, self.max_total_pixels)
-            return _Job(request["prompts"], request["refined_prompts"], images, request.get("metadata"))
+            sources = request.get("sources")
+            if sources is not None:
+                used = images.numel() // 3  # the pixels of every image (and frame) of the request
+                sources = decode_sources(sources, len(images), self.max_image_pixels, self.max_total_pixels, used)
+            return _Job(request["prompts"], request["refined_prompts"], images, request.get("metadata"), sources)
         except ImageTooLarge as err:
             return 413, f"image too large: {err}"
         except ValueError as err:
@@ -170,6 +178,8 @@ class RewardAPI(ls.LitAPI):
             extra = {}
             if self.takes_metadata and any(job.metadata is not None for job in jobs):
                 extra["metadata"] = [m for job in jobs for m in job.metadata or [None] * len(job.prompts)]
+            if self.takes_sources and any(job.sources is not None for job in jobs):
+                extra["sources"] = [s for job in jobs for s in job.sources or [None] * len(job.prompts)]
             raw = self.reward(
                 [p for job in jobs for p in job.prompts], [r for job in jobs for r in job.refined], images, **extra
             )

@@ -137,40 +137,42 @@ class VLMJudge(Reward):
         extra_body: dict[str, Any] | None = None,
     ) -> None:
         if preset is not None and preset not in PRESETS:
-            raise ValueError(f"reward 'vlm_judge': preset must be one of {sorted(PRESETS)}, got {preset!r}")
+            raise ValueError(f"reward {self.name!r}: preset must be one of {sorted(PRESETS)}, got {preset!r}")
         chosen = PRESETS.get(preset or "", {})
         if template is not None and chosen and template != chosen["template"]:
             raise ValueError(
-                f"reward 'vlm_judge': preset {preset!r} is the {chosen['template']!r} template, not {template!r}"
+                f"reward {self.name!r}: preset {preset!r} is the {chosen['template']!r} template, not {template!r}"
             )
         template = template or chosen.get("template", "score")
         instruction = instruction or chosen.get("instruction")
         score_range = score_range or chosen.get("score_range", (1.0, 10.0))
         max_tokens = max_tokens or chosen.get("max_tokens", 512)
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward 'vlm_judge': url must start with http:// or https://, got {url!r}")
+            raise ValueError(f"reward {self.name!r}: url must start with http:// or https://, got {url!r}")
         if template not in ("score", "yes_no", "pairwise"):
-            raise ValueError(f"reward 'vlm_judge': template must be score, yes_no or pairwise, got {template!r}")
+            raise ValueError(f"reward {self.name!r}: template must be score, yes_no or pairwise, got {template!r}")
         if prompt not in ("original", "refined"):
-            raise ValueError(f"reward 'vlm_judge': prompt must be 'original' or 'refined', got {prompt!r}")
+            raise ValueError(f"reward {self.name!r}: prompt must be 'original' or 'refined', got {prompt!r}")
         if template == "pairwise" and prompt == "refined":
             # Every refinement is its own text, so each group would hold one image and every win rate be 0.5.
             raise ValueError(
-                "reward 'vlm_judge': the pairwise template compares the images of one prompt; with prompt: refined "
+                f"reward {self.name!r}: the pairwise template compares the images of one prompt; with prompt: refined "
                 "every refinement is a group of one and no sample gets a signal. Use prompt: original"
             )
         low, high = score_range
         if not low < high:
-            raise ValueError(f"reward 'vlm_judge': score_range must be (low, high) with low < high, got {score_range}")
+            raise ValueError(
+                f"reward {self.name!r}: score_range must be (low, high) with low < high, got {score_range}"
+            )
         if max_concurrency < 1 or timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or max_tokens < 1:
             raise ValueError(
-                "reward 'vlm_judge': need max_concurrency >= 1, timeout_s > 0, max_retries >= 0, backoff_s >= 0, "
+                f"reward {self.name!r}: need max_concurrency >= 1, timeout_s > 0, max_retries >= 0, backoff_s >= 0, "
                 f"max_tokens >= 1; got {max_concurrency}, {timeout_s}, {max_retries}, {backoff_s}, {max_tokens}"
             )
         if not 0.0 <= max_unreadable <= 1.0:
-            raise ValueError(f"reward 'vlm_judge': max_unreadable must be in [0, 1], got {max_unreadable}")
+            raise ValueError(f"reward {self.name!r}: max_unreadable must be in [0, 1], got {max_unreadable}")
         if image_format.lower() not in IMAGE_FORMATS:
-            raise ValueError(f"reward 'vlm_judge': image_format must be one of {sorted(IMAGE_FORMATS)}")
+            raise ValueError(f"reward {self.name!r}: image_format must be one of {sorted(IMAGE_FORMATS)}")
         self.endpoint = url if url.rstrip("/").endswith("/chat/completions") else url.rstrip("/") + "/chat/completions"
         self.model, self.template, self.prompt = model, template, prompt
         defaults = {"score": SCORE_INSTRUCTION, "yes_no": QUESTION_INSTRUCTION, "pairwise": PAIRWISE_INSTRUCTION}
@@ -195,7 +197,9 @@ class VLMJudge(Reward):
         if self.api_key_env:
             key = os.environ.get(self.api_key_env)
             if not key:
-                raise ValueError(f"reward 'vlm_judge': api_key_env {self.api_key_env!r} is not set in the environment")
+                raise ValueError(
+                    f"reward {self.name!r}: api_key_env {self.api_key_env!r} is not set in the environment"
+                )
             headers["Authorization"] = f"Bearer {key}"
         return headers
 
@@ -204,6 +208,10 @@ class VLMJudge(Reward):
             {"type": "image_url", "image_url": {"url": f"data:image/{self._mime};base64,{b64}"}} for b64 in images
         ]
         content.append({"type": "text", "text": text})
+        return self._body(content)
+
+    def _body(self, content: list[dict[str, Any]]) -> dict[str, Any]:
+        """The chat completion request of one user message of ``content`` parts (images and texts)."""
         messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
             {"role": "user", "content": content}
         ]
@@ -256,7 +264,7 @@ class VLMJudge(Reward):
         cut = sum(1 for r in results if isinstance(r, ChatReply) and r.finish_reason == "length")
         if cut:
             warnings.warn(
-                f"reward 'vlm_judge': {cut} of {len(results)} replies were cut at max_tokens={self.max_tokens} "
+                f"reward {self.name!r}: {cut} of {len(results)} replies were cut at max_tokens={self.max_tokens} "
                 "(finish_reason 'length'); raise max_tokens if the judge reasons before its verdict",
                 stacklevel=3,
             )
@@ -324,9 +332,9 @@ class VLMJudge(Reward):
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
         n = images.shape[0]
         if len(prompts) != n or len(refined_prompts) != n:
-            raise ValueError(f"reward 'vlm_judge': {len(prompts)} prompts and {len(refined_prompts)} refined for {n}")
+            raise ValueError(f"reward {self.name!r}: {len(prompts)} prompts and {len(refined_prompts)} refined for {n}")
         if images.ndim != 4:
-            raise ValueError(f"reward 'vlm_judge' scores images (N, 3, H, W), got shape {tuple(images.shape)}")
+            raise ValueError(f"reward {self.name!r} scores images (N, 3, H, W), got shape {tuple(images.shape)}")
         texts = list(prompts if self.prompt == "original" else refined_prompts)
         encoded = encode_images(images, self.image_format)
         run = {"score": self._score, "yes_no": self._yes_no, "pairwise": self._pairwise}[self.template]
@@ -335,7 +343,7 @@ class VLMJudge(Reward):
         if bad:
             self.failed += bad
             warnings.warn(
-                f"reward 'vlm_judge': {bad} of {n} samples got no score (unparseable reply or failed request); "
+                f"reward {self.name!r}: {bad} of {n} samples got no score (unparseable reply or failed request); "
                 "model.nonfinite_rewards decides what happens to them",
                 stacklevel=2,
             )

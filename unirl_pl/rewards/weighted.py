@@ -14,6 +14,7 @@ from unirl_pl.rewards.base import RewardTerm
 from unirl_pl.rewards.builtin import resolve_reward
 from unirl_pl.rewards.metadata import Metadata, accepts_keyword
 from unirl_pl.rewards.replies import Reply
+from unirl_pl.rewards.sources import Source
 from unirl_pl.rewards.terms import (
     RewardFn,
     RewardTerms,
@@ -62,7 +63,8 @@ class WeightedSum:
 
     Per-sample ``metadata`` (each prompt's row of a JSONL prompt file: :mod:`unirl_pl.rewards.metadata`) goes
     only to the terms whose callable declares a ``metadata`` parameter; the others are called as before. The
-    refiner's raw ``replies`` (:mod:`unirl_pl.rewards.replies`) go the same way to terms declaring ``replies``.
+    refiner's raw ``replies`` (:mod:`unirl_pl.rewards.replies`) go the same way to terms declaring ``replies``, and
+    an editing run's source images (``sources``, :mod:`unirl_pl.rewards.sources`) to terms declaring ``sources``.
 
     Args:
         weights: The terms, as components (a list of :class:`~unirl_pl.rewards.base.RewardTerm`: a built reward,
@@ -122,7 +124,7 @@ class WeightedSum:
         self._declared: dict[tuple[str, str], tuple[RewardFn, bool]] = {}
 
     def declares(self, name: str, keyword: str) -> bool:
-        """Whether term ``name`` declares the keyword parameter ``keyword`` (``metadata``, ``replies``)."""
+        """Whether term ``name`` declares the keyword parameter ``keyword`` (``metadata``, ``replies``, ``sources``)."""
         fn = self.terms[name]
         known = self._declared.get((name, keyword))
         if known is None or known[0] is not fn:
@@ -137,6 +139,10 @@ class WeightedSum:
         """Whether term ``name`` declares a ``replies`` parameter (and so is given each sample's raw reply)."""
         return self.declares(name, "replies")
 
+    def wants_sources(self, name: str) -> bool:
+        """Whether term ``name`` declares a ``sources`` parameter (and so is given each sample's source image)."""
+        return self.declares(name, "sources")
+
     def score_term(
         self,
         name: str,
@@ -145,10 +151,16 @@ class WeightedSum:
         images: Tensor,
         metadata: list[Metadata] | None = None,
         replies: list[Reply] | None = None,
+        sources: list[Source] | None = None,
     ) -> Tensor:
         """One term's raw values (N,) float32 on CPU; videos go frame by frame unless the reward reads them."""
         fn = self.terms[name]
         video = images.ndim == 5 and not getattr(fn, "accepts_video", False)
+        if sources is not None and self.wants_sources(name):
+            if len(sources) != len(prompts):
+                raise ValueError(f"reward {name!r}: {len(sources)} source images for {len(prompts)} samples")
+            frames = images.shape[1] if video else 1
+            fn = partial(fn, sources=[s for s in sources for _ in range(frames)])
         if replies is not None and self.wants_replies(name):
             if len(replies) != len(prompts):
                 raise ValueError(f"reward {name!r}: {len(replies)} replies for {len(prompts)} samples")
@@ -175,6 +187,7 @@ class WeightedSum:
         batch_std: Callable[[Tensor], Tensor | None] | None = None,
         metadata: list[Metadata] | None = None,
         replies: list[Reply] | None = None,
+        sources: list[Source] | None = None,
     ) -> tuple[Tensor, RewardTerms]:
         """Return (total (N,), {name: raw values (N,)}); a reward returning the wrong count is an error.
 
@@ -185,7 +198,8 @@ class WeightedSum:
         a function returning their values, called here instead of the reward. ``batch_std`` returns a term's
         std over every rank (None on one process), the scale of ``normalize="group"``. ``metadata`` (N,) is each
         sample's prompt metadata, given to the terms that declare a ``metadata`` parameter; ``replies`` (N,) each
-        sample's raw refiner reply (None where unrefined), given to the terms that declare ``replies``.
+        sample's raw refiner reply (None where unrefined), given to the terms that declare ``replies``; ``sources``
+        (N,) each sample's source image (editing), given to the terms that declare ``sources``.
         """
         pending = pending or {}
         parts = RewardTerms()
@@ -193,7 +207,7 @@ class WeightedSum:
             if name in pending:
                 parts[name] = as_values(name, pending[name](), len(prompts), "samples")
             else:
-                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata, replies)
+                parts[name] = self.score_term(name, prompts, refined_prompts, images, metadata, replies, sources)
         bad = torch.zeros(len(prompts), dtype=torch.bool)
         for name, values in parts.items():
             nonfinite = ~torch.isfinite(values)
