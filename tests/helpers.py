@@ -6,6 +6,9 @@ import csv
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +87,66 @@ def built_generator(folder: Path, family: type, tokens: int, size: dict[str, int
     assert isinstance(generator, family), type(generator)
     generator.build()
     return generator
+
+
+class QuietHandler(BaseHTTPRequestHandler):
+    """A loopback test server's request handler: logs nothing; :meth:`answer` sends a status and a body."""
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def serve_loopback(handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    """A threading HTTP server on a free loopback port, serving ``handler`` from a daemon thread (and daemon
+    handler threads) until :func:`close_servers`."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+def close_servers(servers: Iterable[ThreadingHTTPServer]) -> None:
+    """Shut down and close each of :func:`serve_loopback`'s servers."""
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+def assert_joint_steps_green(cli: Any, steps: int = 2) -> list[dict[str, float]]:
+    """The metrics rows of a finished joint fit, checked: C2 of both experts (the recomputed log-probs are the
+    behaviour ones) within 1e-5 at each of ``steps`` steps, and interleave parity ran and is within its callback's
+    own tolerance."""
+    from unirl_pl.callbacks import InterleaveParityCheck
+
+    rows = read_metrics(cli)
+    for expert in ("llm", "transformer"):
+        c2 = series(rows, f"c2/{expert}_max_abs_diff")
+        assert len(c2) == steps and max(c2) <= 1e-5, (expert, c2)
+    (parity_check,) = [c for c in cli.trainer.callbacks if isinstance(c, InterleaveParityCheck)]
+    parity = series(rows, "parity/max_abs_diff")
+    assert parity and max(parity) <= parity_check.tolerance, (parity, parity_check.tolerance)
+    return rows
+
+
+def source_images(n: int, size: tuple[int, int], seed: int = 0) -> list[Any]:
+    """``n`` source images (3, *size) as a file gives them: 8-bit values over 255, from a private generator."""
+    import torch
+
+    rng = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (3, *size), generator=rng).float() / 255 for _ in range(n)]
+
+
+def source_picture(image: Any) -> Any:
+    """The 8-bit ``PIL`` picture a (3, h, w) source tensor of :func:`source_images` was read from."""
+    import PIL.Image
+
+    return PIL.Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy())
 
 
 def fit_with_callbacks(tmp_path: Path, callbacks: list[Any], *overrides: str, ckpt_path: str | None = None):

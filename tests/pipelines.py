@@ -36,6 +36,7 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     CLIPTokenizer,
+    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -167,9 +168,10 @@ def make_sd3_pipeline(path: str | Path, with_t5: bool = True, seed: int = 0) -> 
     return Path(path)
 
 
-def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int = 0) -> Path:
-    """Save a tiny ``FluxPipeline`` (CLIP width 16, T5 width 32, 2x VAE with 4 channels, one double and
-    one single block; ``guidance_embeds`` true is FLUX.1-dev-like, false schnell-like) and return it."""
+def flux_components(guidance_embeds: bool, seed: int) -> dict[str, object]:
+    """The tiny FLUX.1 components but the scheduler, as ``FluxPipeline`` and ``FluxKontextPipeline`` take them:
+    CLIP width 16, T5 width 32, a 2x VAE with 4 channels, a DiT with one double and one single block (the
+    guidance embedding with ``guidance_embeds``), from ``seed`` on."""
     with seeded_cpu_init(seed):
         transformer = FluxTransformer2DModel(
             patch_size=1,
@@ -184,15 +186,20 @@ def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int
             axes_dims_rope=(4, 6, 6),
         )
         t5 = T5EncoderModel(_t5_config(T5Config, 32)).eval()
-    pipe = FluxPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
-        vae=_image_vae(seed + 1),
-        text_encoder=_clip(16, False, seed + 2),
-        tokenizer=clip_tokenizer(),
-        text_encoder_2=t5,
-        tokenizer_2=t5_tokenizer(),
-        transformer=transformer,
-    )
+    return {
+        "vae": _image_vae(seed + 1),
+        "text_encoder": _clip(16, False, seed + 2),
+        "tokenizer": clip_tokenizer(),
+        "text_encoder_2": t5,
+        "tokenizer_2": t5_tokenizer(),
+        "transformer": transformer,
+    }
+
+
+def make_flux_pipeline(path: str | Path, guidance_embeds: bool = True, seed: int = 0) -> Path:
+    """Save a tiny ``FluxPipeline`` (:func:`flux_components`; ``guidance_embeds`` true is FLUX.1-dev-like, false
+    schnell-like) and return it."""
+    pipe = FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0), **flux_components(guidance_embeds, seed))
     pipe.save_pretrained(str(path))
     return Path(path)
 
@@ -518,20 +525,21 @@ def qwenimage_tokenizer() -> object:
     return tokenizer
 
 
-def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny ``QwenImagePipeline`` in the published layout and return it: a 2-layer Qwen2.5-VL
-    (``Qwen2_5_VLForConditionalGeneration``, text width 64, a 2-block vision tower) with
-    :func:`qwenimage_tokenizer`, a 4x ``AutoencoderKLQwenImage`` with 4 latent channels and non-trivial
-    ``latents_mean``/``latents_std``, a 2-layer ``QwenImageTransformer2DModel`` of width 32 (2 heads of 16, RoPE
-    axes 4/6/6) reading the 64-wide text features, and Qwen-Image's scheduler (:data:`QWENIMAGE_SCHEDULER`)."""
-    from diffusers import AutoencoderKLQwenImage, QwenImagePipeline, QwenImageTransformer2DModel
+def qwenimage_components(
+    tokenizer: PreTrainedTokenizerFast, seed: int, patch: int = 14, merge: int = 2, **transformer: object
+) -> dict[str, object]:
+    """The tiny Qwen-Image components the text-to-image and edit pipelines share, from ``seed`` on: a 2-layer
+    Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``, text width 64, a 2-block vision tower of ``patch`` and
+    ``merge``) over ``tokenizer``, a 4x ``AutoencoderKLQwenImage`` with 4 latent channels and non-trivial
+    ``latents_mean``/``latents_std``, and a 2-layer ``QwenImageTransformer2DModel`` of width 32 (2 heads of 16,
+    RoPE axes 4/6/6; ``transformer`` adds to its settings) reading the 64-wide text features."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from tests.vlm_lm import _ids, _text_config
 
-    tokenizer = qwenimage_tokenizer()
     with seeded_cpu_init(seed):
-        transformer = QwenImageTransformer2DModel(
+        dit = QwenImageTransformer2DModel(
             patch_size=2,
             in_channels=4 * 4,  # 2x2-packed 4-channel latents
             out_channels=4,
@@ -540,6 +548,7 @@ def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
             num_attention_heads=2,
             joint_attention_dim=QWENIMAGE_TEXT_WIDTH,
             axes_dims_rope=(4, 6, 6),
+            **transformer,
         )
         vae = AutoencoderKLQwenImage(
             base_dim=8,
@@ -556,8 +565,8 @@ def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
             "hidden_size": 32,
             "intermediate_size": 64,
             "num_heads": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
+            "patch_size": patch,
+            "spatial_merge_size": merge,
             "temporal_patch_size": 2,
             "window_size": 56,
             "fullatt_block_indexes": [1],
@@ -565,12 +574,17 @@ def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
         }
         config = Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision, **_ids(tokenizer))
         text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    return {"vae": vae, "text_encoder": text_encoder, "tokenizer": tokenizer, "transformer": dit}
+
+
+def make_qwenimage_pipeline(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ``QwenImagePipeline`` in the published layout and return it: :func:`qwenimage_components` over
+    :func:`qwenimage_tokenizer` and Qwen-Image's scheduler (:data:`QWENIMAGE_SCHEDULER`)."""
+    from diffusers import QwenImagePipeline
+
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        transformer=transformer,
+        **qwenimage_components(qwenimage_tokenizer(), seed),
     )
     pipe.save_pretrained(str(path))
     return Path(path)

@@ -10,41 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline, FluxTransformer2DModel
-from transformers import T5Config, T5EncoderModel
+from diffusers import FlowMatchEulerDiscreteScheduler, FluxKontextPipeline
 
-from tests.pipelines import FLUX_DEV_SCHEDULER, _clip, _image_vae, _t5_config, clip_tokenizer, t5_tokenizer
-from unirl_pl.experts._common import seeded_cpu_init
+from tests.pipelines import FLUX_DEV_SCHEDULER, flux_components
 
 
 def make_flux_kontext_pipeline(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny ``FluxKontextPipeline`` and return it: the parts of :func:`tests.pipelines.make_flux_pipeline`
+    """Save a tiny ``FluxKontextPipeline`` and return it: :func:`tests.pipelines.flux_components`
     (CLIP width 16, T5 width 32, a 2x VAE with 4 channels and a non-trivial scale and shift, a FLUX DiT with one
     double and one single block and the guidance embedding of FLUX.1 Kontext [dev]) and FLUX.1-dev's dynamically
     shifting scheduler (the one Kontext ships), so the schedule's ``mu`` follows the target's token count."""
-    with seeded_cpu_init(seed):
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4 * 4,  # 2x2-packed 4-channel latents
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=16,
-            guidance_embeds=True,
-            axes_dims_rope=(4, 6, 6),
-        )
-        t5 = T5EncoderModel(_t5_config(T5Config, 32)).eval()
     scheduler = {k: v for k, v in FLUX_DEV_SCHEDULER.items() if k != "_class_name"}
     pipe = FluxKontextPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler),
-        vae=_image_vae(seed + 1),
-        text_encoder=_clip(16, False, seed + 2),
-        tokenizer=clip_tokenizer(),
-        text_encoder_2=t5,
-        tokenizer_2=t5_tokenizer(),
-        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(**scheduler), **flux_components(guidance_embeds=True, seed=seed)
     )
     pipe.save_pretrained(str(path))
     return Path(path)

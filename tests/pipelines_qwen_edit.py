@@ -14,20 +14,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from diffusers import (
-    AutoencoderKLQwenImage,
-    FlowMatchEulerDiscreteScheduler,
-    QwenImageEditPlusPipeline,
-    QwenImageTransformer2DModel,
-)
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageEditPlusPipeline
 from tokenizers import AddedToken
-from transformers import PreTrainedTokenizerFast, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from tests.chat_lm import _pieces
-from tests.pipelines import _WORDS, QWENIMAGE_SCHEDULER, QWENIMAGE_TEXT_WIDTH
-from tests.vlm_lm import CHAT_TOKENS, VISION_TOKENS, _ids, _text_config
-from unirl_pl.experts._common import seeded_cpu_init
+from tests.pipelines import _WORDS, QWENIMAGE_SCHEDULER, qwenimage_components
+from tests.vlm_lm import CHAT_TOKENS, VISION_TOKENS
 from unirl_pl.experts.tokenizer import DEFAULT_WORDS, build_word_tokenizer
 from unirl_pl.generators.qwenimage_edit import EDIT_PROMPT_TEMPLATE, EDIT_TEMPLATE_TOKENS, IMAGE_PROMPT
 
@@ -54,56 +48,17 @@ def qwenimage_edit_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_qwenimage_edit_plus_pipeline(path: str | Path, seed: int = 0, zero_cond_t: bool = False) -> Path:
-    """Save a tiny ``QwenImageEditPlusPipeline`` in the published layout and return it: a 2-layer Qwen2.5-VL
-    (text width 64, a 2-block vision tower of patch 14 and merge 2) with :func:`qwenimage_edit_tokenizer`, a
-    ``processor/`` folder with the same tokenizer and Qwen2.5-VL's image processor settings (a small pixel budget),
-    a 4x ``AutoencoderKLQwenImage`` with 4 latent channels and non-trivial ``latents_mean``/``latents_std``, a 2-layer
-    ``QwenImageTransformer2DModel`` of width 32 (2 heads of 16, RoPE axes 4/6/6; ``zero_cond_t`` as
-    Qwen-Image-Edit-2511's transformer sets it), and Qwen-Image's scheduler."""
+    """Save a tiny ``QwenImageEditPlusPipeline`` in the published layout and return it:
+    :func:`tests.pipelines.qwenimage_components` over :func:`qwenimage_edit_tokenizer` (the vision tower of patch 14
+    and merge 2; the transformer's ``zero_cond_t`` as Qwen-Image-Edit-2511's sets it), a ``processor/`` folder with
+    the same tokenizer and Qwen2.5-VL's image processor settings (a small pixel budget), and Qwen-Image's
+    scheduler."""
     path = Path(path)
     tokenizer = qwenimage_edit_tokenizer()
-    with seeded_cpu_init(seed):
-        transformer = QwenImageTransformer2DModel(
-            patch_size=2,
-            in_channels=4 * 4,  # 2x2-packed 4-channel latents
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=QWENIMAGE_TEXT_WIDTH,
-            axes_dims_rope=(4, 6, 6),
-            zero_cond_t=zero_cond_t,
-        )
-        vae = AutoencoderKLQwenImage(
-            base_dim=8,
-            z_dim=4,
-            dim_mult=[1, 1, 1],
-            num_res_blocks=1,
-            temperal_downsample=[False, True],
-            latents_mean=[0.1, -0.2, 0.3, 0.0],
-            latents_std=[1.5, 0.5, 2.0, 1.0],
-        ).eval()
-        vision = {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": PATCH,
-            "spatial_merge_size": MERGE,
-            "temporal_patch_size": 2,
-            "window_size": 56,
-            "fullatt_block_indexes": [1],
-            "out_hidden_size": QWENIMAGE_TEXT_WIDTH,
-        }
-        config = Qwen2_5_VLConfig(text_config=_text_config(tokenizer), vision_config=vision, **_ids(tokenizer))
-        text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
     pipe = QwenImageEditPlusPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**QWENIMAGE_SCHEDULER),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
         processor=None,
-        transformer=transformer,
+        **qwenimage_components(tokenizer, seed, patch=PATCH, merge=MERGE, zero_cond_t=zero_cond_t),
     )
     pipe.save_pretrained(str(path))
     # The processor folder as the hub's: its tokenizer and the image processor's settings (a Qwen2VLProcessor

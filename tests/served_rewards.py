@@ -29,12 +29,16 @@ def mean_brightness(prompts: list[str], refined: list[str], images: Tensor) -> l
     return images.mean(dim=(1, 2, 3)).tolist()
 
 
-class Recorded:
-    """Brightness that logs each call's prompts and image size; the prompt "raise" makes the call raise and
-    "nan" scores NaN."""
+class _Logged:
+    """A served reward that appends what each call got to the JSON-lines file ``log``."""
 
     def __init__(self, log: str) -> None:
         self.log = log
+
+
+class Recorded(_Logged):
+    """Brightness that logs each call's prompts and image size; the prompt "raise" makes the call raise and
+    "nan" scores NaN."""
 
     def __call__(self, prompts: list[str], refined: list[str], images: Tensor) -> list[float]:
         _append(self.log, {"prompts": list(prompts), "size": images.shape[-1]})
@@ -44,11 +48,8 @@ class Recorded:
         return [math.nan if p == "nan" else s for p, s in zip(prompts, scores, strict=True)]
 
 
-class SeenMetadata:
+class SeenMetadata(_Logged):
     """Brightness that declares ``metadata`` and logs what each call got; a row ``{"fail": true}`` raises."""
-
-    def __init__(self, log: str) -> None:
-        self.log = log
 
     def __call__(
         self,
@@ -74,12 +75,9 @@ class Counted:
         return self.reward(prompts, refined_prompts, images)
 
 
-class SeenSources:
+class SeenSources(_Logged):
     """Declares ``sources`` and logs each call's source sizes; scores each image's mean brightness minus its
     source's (the image's own where it has none), so a source that went astray changes the score."""
-
-    def __init__(self, log: str) -> None:
-        self.log = log
 
     def __call__(
         self,

@@ -19,13 +19,12 @@ import pytest
 import torch
 import yaml
 
-from tests.helpers import ROOT, read_metrics, series
+from tests.helpers import ROOT, assert_joint_steps_green
 from tests.pipelines_edit import make_flux_kontext_pipeline
 from tests.pipelines_qwen_edit import make_qwenimage_edit_plus_pipeline
 from tests.test_promptrl_recipes import header_builds
 from tests.test_rewards_recipes import cpu_block
 from tests.vlm_lm import make_vlm
-from unirl_pl.callbacks import InterleaveParityCheck
 from unirl_pl.cli import main
 from unirl_pl.loops import ARDecode
 
@@ -68,13 +67,7 @@ def test_edit_recipe_runs_its_header_cpu_block_with_gates_green(
     cli = main(["fit", "--config", str(recipe), *args, *outputs])
     assert cli.trainer.state.status == "finished"
 
-    rows = read_metrics(cli)
-    for expert in ("llm", "transformer"):
-        c2 = series(rows, f"c2/{expert}_max_abs_diff")
-        assert len(c2) == 2 and max(c2) <= 1e-5, (expert, c2)
-    (parity_check,) = [c for c in cli.trainer.callbacks if isinstance(c, InterleaveParityCheck)]
-    parity = series(rows, "parity/max_abs_diff")
-    assert parity and max(parity) <= parity_check.tolerance, (parity, parity_check.tolerance)
+    assert_joint_steps_green(cli)
     # Every refiner call (rollout, validation, the parity probe) carried one source image per prompt.
     assert refiner_images and all(
         images is not None and len(images) == n and all(isinstance(i, torch.Tensor) for i in images)

@@ -59,27 +59,35 @@ def _perturb_lora(generator: Flux2KleinGenerator) -> None:
                 param.add_(0.1 * torch.randn(param.shape, generator=rng))
 
 
-def _pipeline_velocity(
-    pipe: Flux2KleinPipeline, latents: torch.Tensor, sigma: torch.Tensor, texts: list[str]
+def pipeline_velocity(
+    pipe: Flux2KleinPipeline,
+    latents: torch.Tensor,
+    sigma: torch.Tensor,
+    texts: list[str],
+    reference: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The velocity as ``Flux2KleinPipeline.__call__`` computes it for one step: its latent packing and ids,
     its prompt embeddings and text ids, ``timestep / 1000`` of the scheduler's ``sigma * 1000``, then its
-    unpacking by position ids."""
+    unpacking by position ids. With ``reference`` (its tokens and ids, as ``prepare_image_latents`` gives them)
+    they follow the target's, and the prediction of the target tokens is kept, as a call with ``image=`` does."""
     with torch.no_grad():
         embeds, text_ids = pipe.encode_prompt(texts, max_sequence_length=TOKENS)
         packed, latent_ids = pipe.prepare_latents(
             len(texts), 0, SIZE["height"], SIZE["width"], torch.float32, "cpu", None, latents=latents
         )
+        tokens, ids = packed, latent_ids
+        if reference is not None:
+            tokens, ids = torch.cat([packed, reference[0]], dim=1), torch.cat([latent_ids, reference[1]], dim=1)
         timestep = (sigma * 1000).to(torch.float32)
         out = pipe.transformer(
-            hidden_states=packed,
+            hidden_states=tokens,
             timestep=timestep / 1000,
             guidance=None,
             encoder_hidden_states=embeds,
             txt_ids=text_ids,
-            img_ids=latent_ids,
+            img_ids=ids,
             return_dict=False,
-        )[0]
+        )[0][:, : packed.shape[1]]
     _, _, height, width = latents.shape
     return pipe._unpack_latents_with_ids(out, latent_ids, height, width)
 
@@ -114,7 +122,7 @@ def test_velocity_is_the_pipelines_transformer_call(base: Flux2KleinGenerator, p
     assert base.latent_shape == (16, 8, 8), "the pipeline's patchified grid: 4 VAE channels x 2 x 2, 32 px / 4"
     latents = random_latents(base.latent_shape, 3)
     sigma = torch.tensor([0.95, 0.5, 0.1])
-    expected = _pipeline_velocity(pipe, latents, sigma, TEXTS)
+    expected = pipeline_velocity(pipe, latents, sigma, TEXTS)
     cond = base.encode(TEXTS)
     torch.testing.assert_close(base.velocity(latents, sigma, cond), expected, rtol=0, atol=1e-5)
     worst = max(
@@ -232,9 +240,9 @@ def test_lora_targets_and_export_load_through_the_pipeline(base_folder: Path, tm
     assert (trained - reference).abs().max() > 1e-4
     generator.save_adapter(str(tmp_path))
     pipe = Flux2KleinPipeline.from_pretrained(str(base_folder))
-    torch.testing.assert_close(_pipeline_velocity(pipe, latents, sigma, TEXTS[:2]), reference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pipeline_velocity(pipe, latents, sigma, TEXTS[:2]), reference, rtol=0, atol=1e-5)
     pipe.load_lora_weights(str(tmp_path))
-    torch.testing.assert_close(_pipeline_velocity(pipe, latents, sigma, TEXTS[:2]), trained, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pipeline_velocity(pipe, latents, sigma, TEXTS[:2]), trained, rtol=0, atol=1e-5)
     fresh = _generator(base_folder)
     fresh.load_adapter(str(tmp_path))
     torch.testing.assert_close(fresh.velocity(latents, sigma, cond), trained, rtol=0, atol=1e-6)

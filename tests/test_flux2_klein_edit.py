@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import PIL.Image
 import pytest
 import torch
 from diffusers import Flux2KleinPipeline
 from diffusers.image_processor import VaeImageProcessor
 
-from tests.helpers import built_generator
+from tests.helpers import built_generator, source_images, source_picture
 from tests.pipelines import make_flux2_klein_pipeline, random_latents
+from tests.test_flux2_klein import pipeline_velocity
 from unirl_pl.generators import Flux2KleinGenerator, load_generator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 
@@ -30,17 +30,6 @@ REFERENCE = (64, 64)  # the pipeline refuses a reference under 64 px a side
 
 def _generator(folder: Path, **overrides: object) -> Flux2KleinGenerator:
     return built_generator(folder, Flux2KleinGenerator, TOKENS, {**SIZE, "source_size": REFERENCE}, **overrides)
-
-
-def _sources(n: int, size: tuple[int, int] = REFERENCE, seed: int = 0) -> list[torch.Tensor]:
-    """``n`` reference images (3, *size) as a file gives them: 8-bit values over 255."""
-    rng = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (3, *size), generator=rng).float() / 255 for _ in range(n)]
-
-
-def _picture(image: torch.Tensor) -> PIL.Image.Image:
-    """The 8-bit picture the reference tensor was read from."""
-    return PIL.Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy())
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +52,11 @@ def _pipeline_velocity(
 ) -> torch.Tensor:
     """The velocity as ``Flux2KleinPipeline.__call__`` computes it with ``image=`` for one step, one reference per
     sample: each picture through its ``image_processor.preprocess`` and ``prepare_image_latents``, the reference
-    tokens and ids after the target's, ``t / 1000``, the target tokens unpacked by their ids."""
+    tokens and ids after the target's (:func:`tests.test_flux2_klein.pipeline_velocity`)."""
     with torch.no_grad():
-        embeds, text_ids = pipe.encode_prompt(texts, max_sequence_length=TOKENS)
-        packed, latent_ids = pipe.prepare_latents(
-            len(texts), 0, SIZE["height"], SIZE["width"], torch.float32, "cpu", None, latents=latents
-        )
         references = [
             pipe.prepare_image_latents(
-                [pipe.image_processor.preprocess(_picture(s), *s.shape[-2:], resize_mode="crop")],
+                [pipe.image_processor.preprocess(source_picture(s), *s.shape[-2:], resize_mode="crop")],
                 1,
                 None,
                 "cpu",
@@ -79,20 +64,8 @@ def _pipeline_velocity(
             )
             for s in sources
         ]
-        tokens = torch.cat([packed, torch.cat([r[0] for r in references])], dim=1)
-        ids = torch.cat([latent_ids, torch.cat([r[1] for r in references])], dim=1)
-        timestep = (sigma * 1000).to(torch.float32)
-        out = pipe.transformer(
-            hidden_states=tokens,
-            timestep=timestep / 1000,
-            guidance=None,
-            encoder_hidden_states=embeds,
-            txt_ids=text_ids,
-            img_ids=ids,
-            return_dict=False,
-        )[0][:, : packed.shape[1]]
-    _, _, height, width = latents.shape
-    return pipe._unpack_latents_with_ids(out, latent_ids, height, width)
+    reference = (torch.cat([r[0] for r in references]), torch.cat([r[1] for r in references]))
+    return pipeline_velocity(pipe, latents, sigma, texts, reference)
 
 
 def _cond(generator: Flux2KleinGenerator, texts: list[str], sources: list[torch.Tensor]) -> dict:
@@ -104,11 +77,11 @@ def test_velocity_with_a_reference_is_the_pipelines_transformer_call(
     generator: Flux2KleinGenerator, pipe: Flux2KleinPipeline
 ) -> None:
     assert generator.takes_source_images and generator.source_size == REFERENCE
-    sources = _sources(2)
+    sources = source_images(2, REFERENCE)
     cond = _cond(generator, TEXTS, sources)
     assert cond["source_latents"].shape == (2, 16, 16, 16), "patchified, normalised: 4 x 4 channels, 64 px / 4"
     with torch.no_grad():
-        pixels = torch.cat([pipe.image_processor.preprocess(_picture(s), 64, 64) for s in sources])
+        pixels = torch.cat([pipe.image_processor.preprocess(source_picture(s), 64, 64) for s in sources])
         expected_latents = torch.cat([pipe._encode_vae_image(p[None], None) for p in pixels])
     torch.testing.assert_close(cond["source_latents"], expected_latents, rtol=0, atol=1e-6)
     latents, sigma = random_latents(generator.latent_shape, 2), torch.tensor([0.9, 0.3])
@@ -117,7 +90,7 @@ def test_velocity_with_a_reference_is_the_pipelines_transformer_call(
 
 
 def test_a_sample_depends_on_its_own_reference_only(generator: Flux2KleinGenerator) -> None:
-    sources = _sources(3, seed=1)
+    sources = source_images(3, REFERENCE, seed=1)
     latents, sigma = random_latents(generator.latent_shape, 2, seed=2), torch.tensor([0.6, 0.6])
     with torch.no_grad():
         pair = generator.velocity(latents, sigma, _cond(generator, TEXTS, sources[:2]))
@@ -134,8 +107,8 @@ def test_a_reference_of_another_shape_keeps_its_aspect_ratio(
 ) -> None:
     """A 40 x 80 reference is resized to cover 64 x 64 keeping its aspect ratio and center-cropped (diffusers'
     ``VaeImageProcessor`` ``resize_mode="crop"``, Lanczos on the picture): the pipeline never stretches one."""
-    source = _sources(1, size=(40, 80), seed=3)[0]
-    pixels = VaeImageProcessor(vae_scale_factor=4).preprocess(_picture(source), 64, 64, resize_mode="crop")
+    source = source_images(1, (40, 80), seed=3)[0]
+    pixels = VaeImageProcessor(vae_scale_factor=4).preprocess(source_picture(source), 64, 64, resize_mode="crop")
     with torch.no_grad():
         expected = pipe._encode_vae_image(pixels, None)
     torch.testing.assert_close(generator.encode_source([source])["source_latents"], expected, rtol=0, atol=1e-6)
@@ -148,7 +121,7 @@ def test_schedule_with_a_reference_is_the_sigmas_of_a_real_pipeline_call(
 ) -> None:
     """mu counts the target's tokens only: a 64 x 64 reference beside a 32 x 32 target leaves the schedule as is."""
     pipe(
-        image=_picture(_sources(1)[0]),
+        image=source_picture(source_images(1, REFERENCE)[0]),
         prompt="make it red",
         num_inference_steps=num_steps,
         guidance_scale=1.0,
@@ -171,7 +144,7 @@ def test_guided_euler_steps_and_decode_reproduce_the_pipeline(folder: Path, pipe
     source_size = None if target == 64 else REFERENCE  # 32 px: a 64 px reference beside the target
     generator = built_generator(folder, Flux2KleinGenerator, TOKENS, size, source_size=source_size)
     assert generator.source_size == REFERENCE
-    source = _sources(1, seed=4)[0]
+    source = source_images(1, REFERENCE, seed=4)[0]
     noise = random_latents(generator.latent_shape, 2, seed=5)
     steps: list[torch.Tensor] = []
 
@@ -180,7 +153,7 @@ def test_guided_euler_steps_and_decode_reproduce_the_pipeline(folder: Path, pipe
         return {}
 
     images = pipe(
-        image=_picture(source),
+        image=source_picture(source),
         prompt=TEXTS,
         latents=noise.clone(),
         num_inference_steps=2,
@@ -209,7 +182,7 @@ def test_exported_adapter_loads_into_the_pipeline_with_a_reference(folder: Path,
         for param in generator.model.parameters():
             if param.requires_grad:
                 param.add_(0.1 * torch.randn(param.shape, generator=rng))
-    sources = _sources(2, seed=6)
+    sources = source_images(2, REFERENCE, seed=6)
     latents, sigma = random_latents(generator.latent_shape, 2, seed=7), torch.tensor([0.8, 0.4])
     cond = _cond(generator, TEXTS, sources)
     with torch.no_grad():

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import PIL.Image
 import pytest
 import torch
 from diffusers import FluxKontextPipeline
 
-from tests.helpers import ROOT, built_generator
+from tests.helpers import ROOT, built_generator, source_images, source_picture
 from tests.pipelines import make_flux_pipeline, random_latents
 from tests.pipelines_edit import make_flux_kontext_pipeline
 from unirl_pl.generators import FluxGenerator, FluxKontextGenerator, load_generator
@@ -24,23 +23,13 @@ from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 
 TOKENS = 16  # T5 max_sequence_length
 SIZE = {"height": 32, "width": 32}
+SIZE_PX = (32, 32)  # the sources' size where a test names none
 TEXTS = ["make the cat red", "add a blue square"]
 GUIDANCE = 2.5  # the Kontext model card's and PromptRL's edit guidance (the generator's default)
 
 
 def _generator(folder: Path, **overrides: object) -> FluxKontextGenerator:
     return built_generator(folder, FluxKontextGenerator, TOKENS, SIZE, **overrides)
-
-
-def _sources(n: int, size: tuple[int, int] = (32, 32), seed: int = 0) -> list[torch.Tensor]:
-    """``n`` source images (3, *size) as a file gives them: 8-bit values over 255."""
-    rng = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (3, *size), generator=rng).float() / 255 for _ in range(n)]
-
-
-def _picture(image: torch.Tensor) -> PIL.Image.Image:
-    """The 8-bit picture the source tensor was read from."""
-    return PIL.Image.fromarray((image * 255).round().byte().permute(1, 2, 0).numpy())
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +100,7 @@ def test_velocity_is_the_pipelines_transformer_call(generator: FluxKontextGenera
     assert load_generator(generator.pipeline_path).__class__ is FluxKontextGenerator
     assert generator.takes_source_images and generator.guidance_scale == GUIDANCE
     assert generator.latent_shape == (4, 16, 16) and generator.source_size == (32, 32)
-    sources = _sources(2)
+    sources = source_images(2, SIZE_PX)
     cond = _cond(generator, TEXTS, sources)
     assert cond["source_latents"].shape == (2, *generator.latent_shape), "unpacked, the target's latent space"
     with torch.no_grad():
@@ -129,7 +118,7 @@ def test_velocity_is_the_pipelines_transformer_call(generator: FluxKontextGenera
 
 
 def test_a_sample_depends_on_its_own_source_only(generator: FluxKontextGenerator) -> None:
-    sources = _sources(3, seed=1)
+    sources = source_images(3, SIZE_PX, seed=1)
     latents, sigma = random_latents(generator.latent_shape, 2, seed=2), torch.tensor([0.7, 0.7])
     with torch.no_grad():
         pair = generator.velocity(latents, sigma, _cond(generator, TEXTS, sources[:2]))
@@ -144,9 +133,9 @@ def test_a_source_of_another_size_is_resized_as_the_pipeline_resizes_a_picture(
 ) -> None:
     """A 40 x 48 source becomes a 32 x 32 one through the pipeline's own ``image_processor`` (Lanczos on the
     picture, stretched as Kontext's pipeline resizes), then its VAE encode."""
-    source = _sources(1, size=(40, 48), seed=3)[0]
+    source = source_images(1, (40, 48), seed=3)[0]
     with torch.no_grad():
-        resized = pipe.image_processor.resize(_picture(source), 32, 32)
+        resized = pipe.image_processor.resize(source_picture(source), 32, 32)
         expected = pipe._encode_vae_image(pipe.image_processor.preprocess(resized, 32, 32), None)
     torch.testing.assert_close(generator.encode_source([source])["source_latents"], expected, rtol=0, atol=1e-6)
 
@@ -158,7 +147,7 @@ def test_schedule_is_the_sigmas_of_a_real_pipeline_call(folder: Path, pipe: Flux
     schedules = []
     for height, width in [(32, 32), (64, 32)]:
         pipe(
-            image=_picture(_sources(1, size=(64, 64))[0]),
+            image=source_picture(source_images(1, (64, 64))[0]),
             prompt="make it red",
             height=height,
             width=width,
@@ -184,7 +173,7 @@ def test_euler_steps_and_decode_reproduce_the_pipeline(
     pictures (``_auto_resize=False`` keeps a source's own size): 144 source tokens beside 64 target tokens."""
     if source_size is not None:
         generator = _generator(folder, source_size=source_size)
-    sources = _sources(2, size=source_size or (32, 32), seed=4)
+    sources = source_images(2, source_size or SIZE_PX, seed=4)
     noise = random_latents(generator.latent_shape, 2, seed=5)
     steps: list[torch.Tensor] = []
 
@@ -193,7 +182,7 @@ def test_euler_steps_and_decode_reproduce_the_pipeline(
         return {}
 
     images = pipe(
-        image=[_picture(s) for s in sources] if source_size else torch.stack(sources),
+        image=[source_picture(s) for s in sources] if source_size else torch.stack(sources),
         prompt=TEXTS,
         latents=pipe._pack_latents(noise, 2, 4, 16, 16),
         max_area=32 * 32,
@@ -220,7 +209,7 @@ def test_euler_steps_and_decode_reproduce_the_pipeline(
 def test_exported_adapter_loads_into_the_kontext_pipeline(folder: Path, tmp_path: Path) -> None:
     generator = _generator(folder)
     _perturb_lora(generator)
-    sources = _sources(2, seed=6)
+    sources = source_images(2, SIZE_PX, seed=6)
     latents, sigma = random_latents(generator.latent_shape, 2, seed=7), torch.tensor([0.8, 0.4])
     cond = _cond(generator, TEXTS, sources)
     with torch.no_grad():
@@ -239,7 +228,7 @@ def test_exported_adapter_loads_into_the_kontext_pipeline(folder: Path, tmp_path
 def test_text_only_family_refuses_source_images_and_bad_source_sizes_are_named(folder: Path, tmp_path: Path) -> None:
     flux = built_generator(make_flux_pipeline(tmp_path / "flux"), FluxGenerator, TOKENS, SIZE)
     with pytest.raises(ValueError, match=r"FluxGenerator \(flux\) generates from text alone"):
-        flux.encode_source(_sources(1))
+        flux.encode_source(source_images(1, SIZE_PX))
     with pytest.raises(ValueError, match=r"source_size height \(30\) must be a multiple of 4 pixels"):
         FluxKontextGenerator(str(folder), source_size=(30, 32), **SIZE).latent_shape  # noqa: B018
     with pytest.raises(ValueError, match="source_width must be > 0"):
@@ -296,26 +285,18 @@ def test_plan_of_a_kontext_recipe_counts_the_source_tokens(folder: Path, tmp_pat
     """``plan_step`` of ``recipes/flux.yaml`` with the Kontext generator on the tiny folder: with an editing prompt
     file every DiT phase holds more activations than the same recipe on text prompts, and the plan says why."""
     from tests.chat_lm import make_qwen2_chat_lm
+    from tests.test_plan import TINY
     from unirl_pl.plan.planner import plan_step
     from unirl_pl.plan.recipe import parsed_recipe, step_recipe
 
     lm = make_qwen2_chat_lm(tmp_path / "qwen")
     (tmp_path / "edits.jsonl").write_text('{"prompt": "make it red", "image": "cat.png"}\n')
     (tmp_path / "text.txt").write_text("a red cat\n")
+    # The tiny recipe of the plan tests (float32, 32 px, 16 text tokens, 2 x 2 samples) with the Kontext generator.
     tiny = {
+        **TINY,
         "model.generator.class_path": "unirl_pl.generators.FluxKontextGenerator",
-        "model.generator.init_args.height": "32",
-        "model.generator.init_args.width": "32",
         "model.generator.init_args.guidance_scale": "2.5",
-        "model.generator.init_args.max_sequence_length": str(TOKENS),
-        "model.generator.init_args.dtype": "float32",
-        "model.llm.init_args.dtype": "float32",
-        "data.prompts_per_step": "2",
-        "data.samples_per_prompt": "2",
-        "model.rollout.num_steps": "4",
-        "model.generator_algorithm.init_args.sde_window": "[0,2]",
-        "model.rollout.max_new_tokens": "12",
-        "model.rollout.micro_batch_size": "2",
     }
     plans = {}
     for name in ("edits.jsonl", "text.txt"):

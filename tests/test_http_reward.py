@@ -11,11 +11,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
+from tests.helpers import QuietHandler, close_servers, serve_loopback
 from unirl_pl.rewards import Brightness, WeightedSum, transport
 from unirl_pl.rewards.http import HTTPReward, RewardServerError, decode_images, encode_images
 from unirl_pl.rewards.server import serve
@@ -56,10 +57,7 @@ def custom_server() -> Iterator[Callable[[Reply], str]]:
         seen: list[dict[str, str]] = []  # each request's headers
         lock = threading.Lock()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:  # noqa: N802
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
@@ -70,25 +68,18 @@ def custom_server() -> Iterator[Callable[[Reply], str]]:
                 if status == 0:  # hang until the client has given up, then drop the connection
                     release.wait(timeout=5)
                     return
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(status, body)
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
+        server = serve_loopback(Handler)
         server.calls = calls  # type: ignore[attr-defined]
         server.seen = seen  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/"
 
     start.servers = servers  # type: ignore[attr-defined]
     yield start
     release.set()
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    close_servers(servers)
 
 
 def _ok(request: dict) -> bytes:

@@ -31,11 +31,10 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps as flux_re
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from diffusers.pipelines.flux2.pipeline_flux2_klein import retrieve_timesteps as klein_retrieve_timesteps
 
-from tests.helpers import ROOT, read_metrics, series
+from tests.helpers import ROOT, assert_joint_steps_green, series
 from tests.pipelines import make_flux2_klein_pipeline, make_flux_pipeline, with_scheduler
 from tests.test_rewards_recipes import cpu_block
 from tests.vlm_lm import make_vlm
-from unirl_pl.callbacks import InterleaveParityCheck
 from unirl_pl.cli import main
 from unirl_pl.experts.vlm import vision_tower
 from unirl_pl.generators import Flux2KleinGenerator, FluxGenerator
@@ -146,15 +145,8 @@ def test_recipe_runs_its_header_cpu_block_with_gates_green(
     cli = main(["fit", "--config", str(recipe), *args, *outputs])
     assert cli.trainer.state.status == "finished"
 
-    rows = read_metrics(cli)
-    # C2: the recomputed log-probs of both experts are the behaviour ones (float32 everywhere).
-    for expert in ("llm", "transformer"):
-        c2 = series(rows, f"c2/{expert}_max_abs_diff")
-        assert len(c2) == 2 and max(c2) <= 1e-5, (expert, c2)
-    # Interleave parity ran and is within the recipe's own tolerance.
-    (parity_check,) = [c for c in cli.trainer.callbacks if isinstance(c, InterleaveParityCheck)]
-    parity = series(rows, "parity/max_abs_diff")
-    assert parity and max(parity) <= parity_check.tolerance, (parity, parity_check.tolerance)
+    # C2 of both experts (float32 everywhere) and interleave parity within the recipe's own tolerance.
+    rows = assert_joint_steps_green(cli)
 
     # Both experts fully fine-tuned: every weight of the DiT and of the language model trains, no adapter,
     # the vision tower frozen and in no optimizer.

@@ -40,6 +40,15 @@ def _save_processor(path: Path) -> None:
     CLIPProcessor(image_processor=image, tokenizer=clip_tokenizer()).save_pretrained(path)
 
 
+def save_tiny_clip(path: Path) -> str:
+    """Save a tiny ``CLIPModel`` (:func:`_config`, initialised from seed 0) and its processor at ``path``, as
+    openai CLIP folders are; return the path."""
+    torch.manual_seed(0)
+    CLIPModel(_config()).save_pretrained(path)
+    _save_processor(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory) -> str:
     """A tiny CLIPModel with its processor, saved as PickScore_v1 / openai CLIP folders are."""

@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from transformers import CLIPImageProcessor, CLIPModel
 
+from tests.helpers import QuietHandler, close_servers, serve_loopback
 from tests.pipelines import clip_tokenizer
 from tests.served_rewards import read_calls
-from tests.test_rewards_clip import _config, _save_processor
+from tests.test_rewards_clip import save_tiny_clip
 from tests.test_rewards_server import _exchange, _pil, _png_header, _post_bytes
 from unirl_pl.rewards import (
     REGISTRY,
@@ -148,11 +149,7 @@ SIZE = 32
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("clip")
-    torch.manual_seed(0)
-    CLIPModel(_config()).save_pretrained(path)
-    _save_processor(path)
-    return str(path)
+    return save_tiny_clip(tmp_path_factory.mktemp("clip"))
 
 
 def _embed(clip_dir: str, images: list[torch.Tensor], texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,10 +263,7 @@ def judge() -> Iterator[Callable[[JudgeReply], tuple[str, dict]]]:
         seen: dict[str, Any] = {"requests": [], "auth": []}
         lock = threading.Lock()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:  # noqa: N802
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
@@ -279,22 +273,15 @@ def judge() -> Iterator[Callable[[JudgeReply], tuple[str, dict]]]:
                 if status == 0:
                     release.wait(timeout=60)
                     return
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(status, body)
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        server = serve_loopback(Handler)
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/v1", seen
 
     yield start
     release.set()
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    close_servers(servers)
 
 
 def _fair_with_a_first_position_bias(request: dict, headers: dict) -> tuple[int, bytes]:
@@ -406,10 +393,7 @@ def test_the_token_goes_to_the_judge_only_never_through_a_redirect(judge, monkey
     assert seen["auth"] == ["Bearer secret-token"]
     target, other = judge(lambda r, h: chat("9"))
 
-    class Redirect(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
+    class Redirect(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers["Content-Length"]))
             self.send_response(302)
@@ -417,8 +401,7 @@ def test_the_token_goes_to_the_judge_only_never_through_a_redirect(judge, monkey
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    server = serve_loopback(Redirect)
     try:
         bounced = EditJudge(
             url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="m", api_key_env="UNIRL_EDIT_JUDGE_KEY"
@@ -426,8 +409,7 @@ def test_the_token_goes_to_the_judge_only_never_through_a_redirect(judge, monkey
         with pytest.raises(RewardServerError, match="redirect"):
             bounced(["a"], ["a"], _images(1), sources=[_images(1, seed=1)[0]])
     finally:
-        server.shutdown()
-        server.server_close()
+        close_servers([server])
     assert other["requests"] == [], "the redirect target got nothing, the token least of all"
 
 

@@ -38,7 +38,7 @@ import unirl_pl.rewards
 from tests.helpers import ROOT, subprocess_env
 from tests.pipelines import make_sd3_pipeline
 from tests.served_rewards import read_calls
-from tests.test_rewards_clip import PROMPTS, _config, _save_processor
+from tests.test_rewards_clip import PROMPTS, save_tiny_clip
 from unirl_pl.cli import main
 from unirl_pl.rewards import Brightness, HTTPReward
 from unirl_pl.rewards.clip_models import PickScore
@@ -598,13 +598,7 @@ def test_a_batch_that_fails_alone_fails_once(recorded):
 
 @pytest.fixture(scope="module")
 def clip_dir(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("clip")
-    torch.manual_seed(0)
-    from transformers import CLIPModel
-
-    CLIPModel(_config()).save_pretrained(path)
-    _save_processor(path)
-    return str(path)
+    return save_tiny_clip(tmp_path_factory.mktemp("clip"))
 
 
 @pytest.mark.slow

@@ -10,12 +10,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import pytest
 import torch
 
-from tests.helpers import read_metrics, run_cli, series
+from tests.helpers import QuietHandler, close_servers, read_metrics, run_cli, series, serve_loopback
 from unirl_pl.rewards import WeightedSum
 from unirl_pl.rewards.http import RewardServerError, decode_images
 from unirl_pl.rewards.vlm_judge import VLMJudge, parse_choice, parse_score, parse_yes_no
@@ -57,10 +57,7 @@ def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
         stats = {"requests": [], "in_flight": 0, "max_in_flight": 0, "paths": set()}
         lock = threading.Lock()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: object) -> None:
-                pass
-
+        class Handler(QuietHandler):
             def do_POST(self) -> None:  # noqa: N802
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with lock:
@@ -78,22 +75,15 @@ def judge_server() -> Iterator[Callable[[Reply], tuple[str, dict]]]:
                     # next request, which this thread must not still be counted beside.
                     with lock:
                         stats["in_flight"] -= 1
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.answer(status, body)
 
-        server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server.daemon_threads = True
-        threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        server = serve_loopback(Handler)
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}/v1", stats
 
     yield start
     release.set()
-    for server in servers:
-        server.shutdown()
-        server.server_close()
+    close_servers(servers)
 
 
 # ------------------------------------------------------------------ parsing (pure)
@@ -536,10 +526,7 @@ def test_a_redirect_to_another_origin_never_receives_the_token(judge_server, mon
     other_url, other = judge_server(lambda r: chat("9"))
     seen_auth: list[str | None] = []
 
-    class Redirect(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            pass
-
+    class Redirect(QuietHandler):
         def do_POST(self) -> None:  # noqa: N802
             seen_auth.append(self.headers.get("Authorization"))
             self.send_response(302)
@@ -547,15 +534,13 @@ def test_a_redirect_to_another_origin_never_receives_the_token(judge_server, mon
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    server = serve_loopback(Redirect)
     monkeypatch.setenv("UNIRL_JUDGE_KEY", "secret-token")
     judge = VLMJudge(url=f"http://127.0.0.1:{server.server_address[1]}/v1", model="m", api_key_env="UNIRL_JUDGE_KEY")
     try:
         with pytest.raises(RewardServerError, match="redirect"):
             judge(["a", "b"], ["a", "b"], _images(2))
     finally:
-        server.shutdown()
-        server.server_close()
+        close_servers([server])
     assert seen_auth and all(a == "Bearer secret-token" for a in seen_auth), "the configured URL gets the token"
     assert other["requests"] == [], "the redirect target got nothing"

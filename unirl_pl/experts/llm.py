@@ -143,6 +143,19 @@ class CausalLMExpert(LoRAExpert):
         (B, T, vocab) and, when ``use_cache``, the KV cache for incremental decoding. The cache is
         ``output.cache`` on transformers >= 5 (``output.past_key_values`` still works there but is
         deprecated) and is passed back in through ``past_key_values``."""
+        return self._call_model(input_ids, attention_mask, position_ids, past_key_values, use_cache)
+
+    def _call_model(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past_key_values: object | None,
+        use_cache: bool,
+        **inputs: Any,
+    ) -> CausalLMOutputWithPast:
+        """The built model's call with these inputs (``inputs``: any more the architecture takes, such as a
+        VLM's ``pixel_values``), the cache passed under the name the architecture declares."""
         model = self._require_built()
         # transformers 5 renamed the cache argument to ``cache``; passing the old name logs a
         # deprecation on every call, so pick the name the loaded architecture declares.
@@ -152,6 +165,7 @@ class CausalLMExpert(LoRAExpert):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=use_cache,
+            **inputs,
             **cache_kwarg,
         )
 

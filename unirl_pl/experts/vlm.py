@@ -356,14 +356,12 @@ class VLMRefinerExpert(CausalLMExpert):
             if past_key_values is not None:
                 raise ValueError("a cached forward with images needs the position ids of its new tokens")
             position_ids = self.rope_positions(input_ids, attention_mask, image_grid_thw)
-        model = self._require_built()
-        cache_kwarg = {self._cache_arg_name: past_key_values} if past_key_values is not None else {}
-        return model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=use_cache,
+        return self._call_model(
+            input_ids,
+            attention_mask,
+            position_ids,
+            past_key_values,
+            use_cache,
             pixel_values=pixel_values,
             image_grid_thw=image_grid_thw,
-            **cache_kwarg,
         )
