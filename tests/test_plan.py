@@ -234,6 +234,28 @@ def test_all_rows_real_answers_value_questions_with_every_row_real():
         assert mask.nonzero().shape == (15, 2)
 
 
+def test_all_rows_real_carries_the_values_of_tensors_made_from_python_data():
+    """While carrying, a literal's and a small factory's values flow through operators, so the questions Qwen2.5-VL's
+    image-grid arithmetic asks get the true answer (the patch count, a window's boolean index, the split sizes);
+    a tensor without values (an activation, an ``empty``) still gets the all-rows answer, one written in place from
+    it loses its values, and outside the scope nothing is carried."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(), AllRowsReal() as rows:
+        with rows.carrying_values():
+            grid = torch.tensor([[1, 28, 28]])
+            assert (grid.prod(-1) // 4).tolist() == [196]
+            seqlens = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0]).cumsum(0)
+            assert seqlens.tolist() == [784]
+            index = torch.arange(10)
+            assert index[index % 3 == 0].shape == (4,) and not bool((index > 9).any())
+            activations = torch.empty(4, 5)
+            assert activations[activations > 0].shape == (20,) and bool((activations > 0).all())
+            index.copy_(activations[0].long().repeat(2))
+            assert index[index > 5].shape == (10,)  # written from a tensor without values: all rows again
+        assert torch.tensor([0, 0]).nonzero().shape == (2, 1)  # not carried
+
+
 def test_largest_fitting_finds_the_boundary_by_traces():
     values = candidates_up_to(64, [3])
     assert values == [1, 2, 3, 4, 8, 16, 32, 64]

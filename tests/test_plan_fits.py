@@ -33,11 +33,12 @@ from unirl_pl.plan.tracker import GiB
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 FAMILIES = (
-    "SD3Generator", "FluxGenerator", "Flux2KleinGenerator", "WanGenerator", "ZImageGenerator", "QwenImageGenerator"
+    "SD3Generator", "FluxGenerator", "Flux2KleinGenerator", "WanGenerator", "ZImageGenerator", "QwenImageGenerator",
+    "QwenImageEditPlusGenerator", "FluxKontextGenerator",
 )  # fmt: skip
 SHIPPED_GPU_RECIPES = {
     "sd35", "sd35_ocr", "sd35_pickscore", "flux", "wan_t2v", "wan22_t2v", "promptrl_klein", "promptrl_flux",
-    "zimage", "zimage_turbo", "qwenimage", "wan22_ti2v",
+    "zimage", "zimage_turbo", "qwenimage", "wan22_ti2v", "promptrl_kontext", "qwenimage_edit_plus",
 }  # fmt: skip
 
 

@@ -353,3 +353,60 @@ def test_adapter_export_loads_through_the_pipeline(folder: Path, tmp_path: Path)
     pipe.load_lora_weights(str(tmp_path))
     expected = _pipeline_velocity(pipe, latents, sigma, TEXTS[0], SOURCES[2])
     torch.testing.assert_close(trained, expected, rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ the memory plan
+def test_plan_traces_the_text_encoder_reading_the_source_and_the_source_tokens(
+    folder: Path, generator: QwenImageEditPlusGenerator
+) -> None:
+    """``python -m unirl_pl plan``'s trace of this family on fake tensors (built from the folder's configs: no pixels,
+    no tokenizer, no PIL): the text encoder gets what the image processor makes of a real source of that size (the
+    same patches, grid and count of image pads as :meth:`text_inputs` of a real image), its real Qwen2.5-VL forward
+    runs with the image tokens (transformers checks their count against the features from the carried values), so
+    the text-encode phase (prompt and negative read with the source, the source's VAE encode) is larger than the
+    text alone; and each DiT forward carries the source's tokens after the target's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from unirl_pl.plan import phases
+    from unirl_pl.plan.models import build_generator
+    from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker
+
+    mode = FakeTensorMode()
+    fake, _ = build_generator(
+        QwenImageEditPlusGenerator, {"max_sequence_length": TOKENS, "dtype": "float32", **SIZE}, folder, mode
+    )
+    pad = generator.text_encoder.config.image_token_id
+
+    def processed(inputs: dict[str, Tensor]) -> tuple[tuple[int, ...], list[list[int]], int]:
+        """The patches' shape, the grid and the count of image pads."""
+        pads = int((inputs["input_ids"] == pad).sum())
+        return tuple(inputs["pixel_values"].shape), inputs["image_grid_thw"].tolist(), pads
+
+    reals = [processed(generator.text_inputs(TEXTS[0], image)) for image in SOURCES]  # square, landscape, portrait
+    assert all(count > 0 for *_, count in reals) and len(set(map(str, reals))) == 3
+    peaks = {}
+    with mode, AllRowsReal() as rows:
+        for image, real in zip(SOURCES, reals, strict=True):
+            with rows.carrying_values():
+                shaped = fake.text_inputs(TEXTS[0], torch.empty(image.shape))
+                assert processed(shaped) == real
+                # The longest prompt whose features are kept: the template's dropped tokens and the feature width.
+                assert shaped["input_ids"].shape == (1, EDIT_TEMPLATE_TOKENS + TOKENS)
+        for sources in (False, True):
+            tracker = PlanMemTracker()
+            tracker.track_external(fake)
+            with tracker:
+                cond = phases.text_encode(fake, 2, sources)
+            peaks[sources] = tracker.peak()
+        assert cond["hidden"].shape == cond["source_negative_hidden"].shape == (2, TOKENS, QWENIMAGE_TEXT_WIDTH)
+        assert cond["source_latents"].shape == (2, 16, 16)  # 32x32 source: 8x8 latents, 4x4 packed tokens
+        assert peaks[True].activations > peaks[False].activations
+        seen: list[tuple[int, ...]] = []
+        fake.model.register_forward_pre_hook(
+            lambda _module, _args, kwargs: seen.append(tuple(kwargs["hidden_states"].shape)), with_kwargs=True
+        )
+        loop = DiffusionDenoise(fake, RolloutConfig(num_steps=4, guidance_scale=4.0))
+        uncond = {key: value[-1:] for key, value in cond.items()}
+        phases.dit_rollout_step(loop, cond, uncond)
+    assert seen == [(4, 16 + 16, 16)]  # guided: 2 x 2 rows; the target's 16 tokens, then the source's 16
+    print(f"text_encode activations: {peaks[True].activations} B with the source, {peaks[False].activations} without")

@@ -32,7 +32,9 @@ from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
     retrieve_latents,
 )
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from unirl_pl.experts._common import check_positive
 from unirl_pl.generators.base import Cond
@@ -71,6 +73,9 @@ def to_pil(image: Tensor) -> PIL.Image.Image:
 
 def _image_key(image: Tensor) -> tuple[tuple[int, ...], str]:
     """Identity of a source image's pixels, to encode each distinct image once per call."""
+    if is_fake(image):
+        # A fake tensor (``python -m unirl_pl plan`` traces on them) has a shape and no pixels: each is its own image.
+        return tuple(image.shape), f"fake {id(image)}"
     data = image.detach().float().contiguous().cpu().numpy().tobytes()
     return tuple(image.shape), hashlib.sha256(data).hexdigest()
 
@@ -176,9 +181,13 @@ class QwenImageEditPlusGenerator(QwenImageGenerator):
         self.tokenizer = self._load_tokenizer(
             "processor" if (processor / "tokenizer_config.json").is_file() else "tokenizer"
         )
-        self.image_processor = AutoImageProcessor.from_pretrained(self.pipeline_path, subfolder="processor")
+        self._load_processors()
         self.text_encoder = self._load_frozen(Qwen2_5_VLForConditionalGeneration, "text_encoder")
-        # The pipeline's own ``image_processor``: PIL resizes for the condition image and the VAE image.
+
+    def _load_processors(self) -> None:
+        """The parts without weights (``plan`` builds them too): the processor folder's Qwen2.5-VL image processor
+        and the pipeline's own ``image_processor`` (PIL resizes for the condition image and the VAE image)."""
+        self.image_processor = AutoImageProcessor.from_pretrained(self.pipeline_path, subfolder="processor")
         self.vae_processor = VaeImageProcessor(vae_scale_factor=self.vae_scale_factor() * 2)
 
     def condition_image(self, image: Tensor) -> PIL.Image.Image:
@@ -193,6 +202,8 @@ class QwenImageEditPlusGenerator(QwenImageGenerator):
         """What ``QwenImageEditPlusPipeline._get_qwen_prompt_embeds`` gives its text encoder for one prompt (and its
         source image): ``input_ids``, ``attention_mask`` and, with an image, ``pixel_values`` and ``image_grid_thw``
         from the image processor, the pad expanded to the image's merged token count as ``Qwen2VLProcessor`` does."""
+        if image is not None and is_fake(image):
+            return self._shaped_text_inputs(image)
         prompt = EDIT_PROMPT_TEMPLATE.format(("" if image is None else IMAGE_PROMPT.format(1)) + text)
         inputs: dict[str, Tensor] = {}
         if image is not None:
@@ -202,6 +213,33 @@ class QwenImageEditPlusGenerator(QwenImageGenerator):
             prompt = prompt.replace(IMAGE_PAD, IMAGE_PAD * count, 1)
         tokens = self.tokenizer([prompt], return_tensors="pt")
         inputs = {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask, **inputs}
+        return {key: value.to(self.text_encoder.device) for key, value in inputs.items()}
+
+    def _shaped_text_inputs(self, image: Tensor) -> dict[str, Tensor]:
+        """:meth:`text_inputs` for a source that has a shape and no pixels (a fake tensor: ``python -m unirl_pl
+        plan`` traces a step's memory on them; no PIL image, no tokenizer): the image processor's output for the
+        condition image of that source's aspect, sized by its own ``smart_resize`` rule (float32 patches of the
+        grid, and the grid), and the ids of the longest prompt whose features are kept, the template's leading
+        tokens and ``max_sequence_length`` more (at least the image's pads and one token), holding the grid's count
+        of image pads. The ids and the grid are Python values, which the plan's ``AllRowsReal`` carries: the
+        Qwen2.5-VL forward reads them (the pads' count check, the vision windows, the features' split per image)."""
+        processor = self.image_processor
+        width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.shape[-1] / image.shape[-2])
+        patch, merge = processor.patch_size, processor.merge_size
+        size = processor.size
+        height, width = smart_resize(height, width, patch * merge, size.shortest_edge, size.longest_edge)
+        grid = (1, height // patch, width // patch)
+        pads = grid[1] * grid[2] // merge**2
+        length = EDIT_TEMPLATE_TOKENS + max(self.max_sequence_length, pads + 1)
+        ids = [0] * length
+        ids[EDIT_TEMPLATE_TOKENS : EDIT_TEMPLATE_TOKENS + pads] = [self.text_encoder.config.image_token_id] * pads
+        patches = grid[0] * grid[1] * grid[2]
+        inputs = {
+            "input_ids": torch.tensor([ids]),
+            "attention_mask": torch.tensor([[1] * length]),
+            "pixel_values": torch.empty(patches, 3 * processor.temporal_patch_size * patch**2),
+            "image_grid_thw": torch.tensor([grid]),
+        }
         return {key: value.to(self.text_encoder.device) for key, value in inputs.items()}
 
     def prompt_features(self, text: str, image: Tensor | None = None) -> Tensor:
@@ -240,7 +278,10 @@ class QwenImageEditPlusGenerator(QwenImageGenerator):
         them from ``image_processor.preprocess(image, *source_size)``: the posterior mode
         (``_encode_vae_image``), ``(z - latents_mean) / latents_std``, 2x2-packed."""
         vae = self.vae
-        pixels = self.vae_processor.preprocess(to_pil(image), *self.source_size).unsqueeze(2)
+        if is_fake(image):  # shapes only (``plan``): the preprocessed size, no pixels to resize
+            pixels = torch.empty(1, 3, 1, *self.source_size)
+        else:
+            pixels = self.vae_processor.preprocess(to_pil(image), *self.source_size).unsqueeze(2)
         latents = retrieve_latents(vae.encode(pixels.to(vae.device, vae.dtype)), sample_mode="argmax")
         shape = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(latents.device, latents.dtype)

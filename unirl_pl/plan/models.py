@@ -38,6 +38,7 @@ DEFAULT_PIPELINES: dict[str, str] = {
     "Flux2KleinGenerator": "FLUX.2-klein-base-4B",
     "WanGenerator": "Wan2.1-T2V-1.3B-Diffusers",
     "QwenImageGenerator": "Qwen-Image",
+    "QwenImageEditPlusGenerator": "Qwen-Image-Edit-2509",
     "ZImageGenerator": "Z-Image",
 }
 """The shipped pipeline a family's recipe is planned with when no folder is given."""
@@ -232,6 +233,10 @@ def build_generator(
             if has_component(index, name):
                 module = built[name] = meta_model(_component_class(index[name]), folder / name, generator.dtype)
             setattr(generator, name, module)
+    # Parts without weights the family builds itself (Qwen-Image-Edit-Plus's image processors, from their config).
+    load_processors = getattr(generator, "_load_processors", None)
+    if load_processors is not None:
+        load_processors()
     vae = built["vae"] = meta_model(_component_class(index["vae"]), folder / "vae", generator.vae_dtype)
     if getattr(generator, "vae_slicing", False):
         vae.enable_slicing()

@@ -11,6 +11,7 @@ same loops, generator surface and losses a fit calls: ``CausalLMExpert.forward``
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.loops.ar_decode import positions, process_logits
 from unirl_pl.losses import LossOutput
 from unirl_pl.method.loss_settings import ExpertLoss
+from unirl_pl.plan.tracker import carrying_values
 from unirl_pl.records import Cond, DiTRecord, LMRecord
 from unirl_pl.sampling import flow_sde_step_with_logprob
 
@@ -108,11 +110,18 @@ def text_encode(generator: torch.nn.Module, texts: int, sources: bool = False) -
     """``generator.encode`` of one batch of ``texts`` texts (the feature cache encodes in fixed batches). With
     ``sources`` (an editing step) it also encodes one source image per text, made at the size the family resizes
     sources to (``source_size``, else the sample's), and that conditioning (the source latents, whose tokens
-    lengthen every DiT forward) joins the text features', as the trainer merges them."""
-    cond = generator.encode(["a prompt"] * texts)
-    if sources:
-        height, width = getattr(generator, "source_size", None) or (generator.height, generator.width)
-        cond |= generator.encode_source([torch.rand(3, height, width) for _ in range(texts)])
+    lengthen every DiT forward) joins the text features', as the trainer merges them. A family whose text encoder
+    reads the source too (``text_sees_source``: Qwen-Image-Edit-Plus's Qwen2.5-VL) encodes each text with its
+    image, with the values of its inputs' index arithmetic carried (:meth:`AllRowsReal.carrying_values`: the image
+    grid sets the vision tower's patches and windows and the prompt's count of image tokens)."""
+    if not sources:
+        return generator.encode(["a prompt"] * texts)
+    height, width = getattr(generator, "source_size", None) or (generator.height, generator.width)
+    images = [torch.rand(3, height, width) for _ in range(texts)]
+    reads = getattr(generator, "text_sees_source", False)
+    with carrying_values() if reads else nullcontext():
+        cond = generator.encode(["a prompt"] * texts, images if reads else None)
+        cond |= generator.encode_source(images)
     return cond
 
 

@@ -250,9 +250,10 @@ def plan_step(
     if recipe.edits:
         generator = experts.generator
         height, width = getattr(generator, "source_size", None) or (generator.height, generator.width)
+        reads = " (the text encoder reads it too)" if getattr(generator, "text_sees_source", False) else ""
         result.notes.append(
-            f"editing: each sample's source image ({height} x {width} px) is encoded with its text, and its latents' "
-            "tokens join the target's in every DiT forward"
+            f"editing: each sample's source image ({height} x {width} px) is encoded with its text{reads}, and its "
+            "latents' tokens join the target's in every DiT forward"
         )
     if experts.resident:
         result.notes.append(

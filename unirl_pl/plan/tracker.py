@@ -25,20 +25,34 @@ step keeps resident (the tensors handed to :meth:`PlanMemTracker.track_external`
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    unset_fake_temporarily,
+)
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 GiB = float(2**30)
 PRIM_DEVICE = torch.ops.prim.device.default
+LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+CARRIED_NUMEL = 1 << 16
+"""The most elements a tensor made by a factory (``arange``, ``zeros``) may have for its values to be carried."""
+UNDEFINED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+"""Operators whose results have no defined values to carry."""
+_UNKNOWN = object()
 
 
 @dataclass(frozen=True)
@@ -219,10 +233,81 @@ class AllRowsReal(TorchDispatchMode):
     of a batch whose rows are all real, the largest case: a boolean is true, a number is 1, ``nonzero``
     finds every element and a boolean index selects every row. Other operators pass through. Enter it
     inside ``FakeTensorMode`` (and below any memory tracker), so the tensors it makes are fake and tracked.
+
+    Some inputs have values that set shapes: Qwen2.5-VL's image grid decides how many patches its vision tower
+    runs, how they split into attention windows and how many image tokens the prompt must hold (transformers
+    checks that count, and splits the features per image, from the values). While :meth:`carrying_values` is on,
+    the values of the fake tensors a trace makes from Python data (``torch.tensor`` literals; factories with
+    defined values, such as ``arange``, of at most :data:`CARRIED_NUMEL` elements) are kept beside them on real
+    CPU tensors, and every operator whose tensor inputs all have values computes its result's values too (a
+    data-dependent shape, a ``nonzero`` or a boolean index of such a tensor, gets its true size): such questions
+    get the true answer. A tensor derived from weights or activations has no values and gets the all-rows answer
+    as before; one written in place from such a tensor loses its values. Off by default: the other traces never
+    read a literal's values (a padding mask made from literals would materialise an attention mask the all-rows
+    answer skips).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.values: WeakIdKeyDictionary | None = None
+
+    @contextmanager
+    def carrying_values(self) -> Iterator[None]:
+        """Carry the values of the fake tensors made from Python data (see the class docstring) until exit."""
+        previous = self.values
+        self.values = WeakIdKeyDictionary() if previous is None else previous
+        try:
+            yield
+        finally:
+            self.values = previous
+
+    def _carry(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """The result of ``func`` with its values carried, or ``_UNKNOWN`` when its inputs have none."""
+        values = self.values
+        assert values is not None
+        if func in LIFTS:  # torch.tensor(data): the literal's values are the real tensor being lifted
+            out = func(*args, **kwargs)
+            if isinstance(out, FakeTensor):
+                with unset_fake_temporarily():
+                    values[out] = args[0].detach().clone()
+            return out
+        if getattr(func, "_opname", None) in UNDEFINED:
+            return _UNKNOWN
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        fakes = [t for t in tensors if isinstance(t, FakeTensor)]
+        if not tensors:  # a factory: carried when its result is small
+            out = func(*args, **kwargs)
+            if isinstance(out, FakeTensor) and out.numel() <= CARRIED_NUMEL:
+                with unset_fake_temporarily():
+                    values[out] = func(*args, **kwargs)
+            return out
+        if not fakes or not all(t in values for t in fakes):
+            if fakes and getattr(getattr(func, "_schema", None), "is_mutable", False):
+                for tensor in fakes:  # written from a tensor without values: its own are gone
+                    values.pop(tensor, None)
+            return _UNKNOWN
+        real_args, real_kwargs = tree_map_only(FakeTensor, values.__getitem__, (args, kwargs))
+        with unset_fake_temporarily():
+            real = func(*real_args, **real_kwargs)
+        if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(real)):
+            return real  # a Python value (``item()``, ``tolist()``): the true answer
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            # Its shape depends on the values (``nonzero``, a boolean index): a fake tensor of the true shape.
+            mode = fakes[0].fake_mode
+            out = tree_map_only(torch.Tensor, mode.from_tensor, real)
+        for fake, value in zip(tree_leaves(out), tree_leaves(real), strict=False):
+            if isinstance(fake, FakeTensor) and isinstance(value, torch.Tensor):
+                values[fake] = value
+        return out
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.values is not None:
+            carried = self._carry(func, args, kwargs)
+            if carried is not _UNKNOWN:
+                return carried
         aten = torch.ops.aten
         if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             tensor = args[0]
@@ -236,3 +321,15 @@ class AllRowsReal(TorchDispatchMode):
                 kept = indices[0].dim()
                 return source.reshape(-1, *source.shape[kept:]).clone()
         return func(*args, **kwargs)
+
+
+@contextmanager
+def carrying_values() -> Iterator[None]:
+    """:meth:`AllRowsReal.carrying_values` of the innermost active ``AllRowsReal`` (nothing to do without one, or on
+    real tensors, which have their values)."""
+    modes = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, AllRowsReal)]
+    if not modes:
+        yield
+        return
+    with modes[-1].carrying_values():
+        yield
