@@ -115,7 +115,7 @@ def _run_with_gates(tmp_path: Path, loggers: list[Any]) -> tuple[RunSummary, Sim
     summary.on_fit_start(trainer, None)
 
     parity = InterleaveParityCheck()
-    parity.check = lambda pl_module, step=0: ParityReport(diffs={"llm": 3e-6, "transformer": 1e-7})
+    parity.check = lambda pl_module, step=0, source=None: ParityReport(diffs={"llm": 3e-6, "transformer": 1e-7})
     parity.on_fit_start(trainer, None)  # before on_train_start, like Lightning's order
 
     c2 = LogProbIdentityCheck()
