@@ -16,6 +16,9 @@ its newest ``version_N/metrics.csv``) the script writes one CSV row:
 - ``strict_drop_step``: the first validation step at which strict is at least ``--drop`` (0.05) below
   ``base_strict`` (empty when it never is); ``alarm_lead_steps``: ``strict_drop_step - first_alarm_step``
   (positive: the monitor alarmed that many steps before the drop was seen).
+- ``strict_fall_step``: the first validation step at which strict is at least ``--drop`` below the best strict
+  before it (``base_strict`` included): a fall from where training had taken it, for a hack that first lets
+  strict rise; ``alarm_lead_fall_steps``: ``strict_fall_step - first_alarm_step``.
 - ``strict_by_step``: every validation's strict as ``step:value``; ``final_strict``: the last one.
 - ``reward_first5`` and ``reward_last5``: the mean ``reward/mean`` over the first and last 5 training steps.
 
@@ -45,6 +48,8 @@ FIELDS = [
     "base_strict",
     "strict_drop_step",
     "alarm_lead_steps",
+    "strict_fall_step",
+    "alarm_lead_fall_steps",
     "final_strict",
     "strict_by_step",
     "reward_first5",
@@ -100,6 +105,12 @@ def summarize(metrics: Path, base: float, drop: float) -> dict[str, object]:
     validations = [(s, steps[s][STRICT]) for s in ordered if STRICT in steps[s]]
     ref = base if math.isfinite(base) else (validations[0][1] if validations else math.nan)
     dropped = next((s for s, v in validations if v <= ref - drop + 1e-9), None)
+    best, fell = ref, None
+    for s, v in validations:
+        if v <= best - drop + 1e-9:
+            fell = s
+            break
+        best = max(best, v)
     rewards = [steps[s]["reward/mean"] for s in ordered if "reward/mean" in steps[s]]
     final_alarms = max((steps[s].get("hack/alarms", 0.0) for s in ordered), default=0.0)
     return {
@@ -110,6 +121,8 @@ def summarize(metrics: Path, base: float, drop: float) -> dict[str, object]:
         "base_strict": f"{ref:.4f}",
         "strict_drop_step": "" if dropped is None else dropped,
         "alarm_lead_steps": "" if first is None or dropped is None else dropped - first,
+        "strict_fall_step": "" if fell is None else fell,
+        "alarm_lead_fall_steps": "" if first is None or fell is None else fell - first,
         "final_strict": f"{validations[-1][1]:.4f}" if validations else "",
         "strict_by_step": " ".join(f"{s}:{v:.4f}" for s, v in validations),
         "reward_first5": f"{sum(rewards[:5]) / len(rewards[:5]):.4f}" if rewards else "",

@@ -23,6 +23,7 @@ from unirl_pl.monitors import (
     high_frequency_share,
     image_stats,
     mean_length,
+    mean_luminance,
     novel_token_share,
     recurring_phrase,
     refinement_stats,
@@ -47,6 +48,33 @@ def test_dark_fraction_counts_pixels_below_the_level():
     images[0, :, :4] = 0.0  # a quarter of one image's rows black: 1/8 of the batch's pixels
     assert dark_fraction(images) == pytest.approx(1 / 8)
     assert dark_fraction(images * 0.01) == 1.0
+
+
+def test_mean_luminance_weights_the_channels_as_rec_601():
+    images = torch.zeros(2, 3, 4, 4)
+    assert mean_luminance(images) == 0.0
+    images[0, 1] = 1.0  # one image's green channel full: 0.587 of that image, half of the batch
+    assert mean_luminance(images) == pytest.approx(0.587 / 2)
+    assert mean_luminance(torch.ones(2, 3, 4, 4)) == pytest.approx(1.0)
+    assert mean_luminance(torch.full((2, 1, 4, 4), 0.25)) == pytest.approx(0.25)  # one channel: itself
+
+
+def test_brightening_images_raise_the_luminance_alarm_and_no_other():
+    """A generator washing its images out (a brightness-liking reward) moves the mean luminance past its
+    threshold; on ShapesWorld's black backgrounds no other image statistic alarms (dark_frac falls, its
+    direction is up)."""
+    torch.manual_seed(0)
+    scenes = torch.zeros(8, 3, 16, 16)
+    scenes[:, 0, 4:10, 4:10] = 1.0  # a red square on black
+    scenes += 0.02 * torch.rand_like(scenes)
+    prompts = ["a red square"] * 4 + ["a red box"] * 4
+    monitor = RewardHackingMonitor(baseline_steps=2, refinement_stats=False)
+    raised = []
+    for step, grey in enumerate([0.0, 0.0, 0.05, 0.15, 0.3]):
+        exp = SimpleNamespace(images=(scenes + grey).clamp(0, 1), prompts=prompts)
+        raised += monitor.observe(monitor.measure(exp), step)
+    assert [(a.signal, a.step) for a in raised] == [("luminance", 3)]
+    assert raised[0].value - raised[0].baseline > 0.1
 
 
 def test_saturated_fraction_counts_values_at_either_end():
@@ -102,7 +130,9 @@ def test_group_diversity_is_the_mean_pairwise_rms_distance_within_groups():
 
 def test_image_stats_names_every_signal_and_takes_videos():
     stats = image_stats(smooth(4), groups=[0, 0, 1, 1])
-    assert set(stats) == {"dark_frac", "blank_frac", "saturated_frac", "high_freq", "colourfulness", "diversity"}
+    assert set(stats) == {
+        "dark_frac", "luminance", "blank_frac", "saturated_frac", "high_freq", "colourfulness", "diversity"
+    }  # fmt: skip
     assert stats["diversity"] == 0.0
     video = smooth(4).view(2, 2, 3, 16, 16)
     assert image_stats(video)["dark_frac"] == 0.0

@@ -97,7 +97,7 @@ def test_a_healthy_run_raises_no_alarm(tmp_path):
     assert series(rows, "hack/alarms") == [0.0] * 4
     for key in ("dark_frac", "high_freq", "diversity", "length", "recurring_phrase"):
         assert len(series(rows, f"hack/{key}")) == 4, key
-    assert monitor.alarms == [] and len(monitor.baselines) == 10
+    assert monitor.alarms == [] and len(monitor.baselines) == 11
 
 
 def test_darkening_images_stop_the_run_with_a_checkpoint_that_resumes(tmp_path, monkeypatch, capsys):

@@ -38,6 +38,7 @@ class Signal:
 
 SIGNALS: dict[str, Signal] = {
     "dark_frac": Signal("up", 0.25, relative=False),
+    "luminance": Signal("up", 0.1, relative=False),
     "blank_frac": Signal("up", 0.25, relative=False),
     "saturated_frac": Signal("up", 0.25, relative=False),
     "high_freq": Signal("up", 0.5, relative=True),
@@ -48,7 +49,7 @@ SIGNALS: dict[str, Signal] = {
     "novel_share": Signal("up", 0.3, relative=False),
     "recurring_phrase": Signal("up", 0.4, relative=False),
 }
-IMAGE_SIGNALS = ("dark_frac", "blank_frac", "saturated_frac", "high_freq", "colourfulness", "diversity")
+IMAGE_SIGNALS = ("dark_frac", "luminance", "blank_frac", "saturated_frac", "high_freq", "colourfulness", "diversity")
 REFINEMENT_SIGNALS = ("length", "distinct_2", "novel_share", "recurring_phrase")
 
 
@@ -74,9 +75,9 @@ class RewardHackingMonitor(pl.Callback):
     signal leaves its baseline or the gold rule fires, and act on the alarm.
 
     Each training step's rollout (its images, prompts, refinements and rewards) gives the image statistics
-    (``hack/dark_frac``, ``blank_frac``, ``saturated_frac``, ``high_freq``, ``colourfulness``, ``diversity``
-    within a prompt's group) and the refinement statistics (``hack/length``, ``distinct_2``, ``novel_share``,
-    ``recurring_phrase``) of :mod:`unirl_pl.monitors`. A signal's baseline is its mean over the first
+    (``hack/dark_frac``, ``luminance``, ``blank_frac``, ``saturated_frac``, ``high_freq``, ``colourfulness``,
+    ``diversity`` within a prompt's group) and the refinement statistics (``hack/length``, ``distinct_2``,
+    ``novel_share``, ``recurring_phrase``) of :mod:`unirl_pl.monitors`. A signal's baseline is its mean over the first
     ``baseline_steps`` steps this monitor sees; after that it alarms when it moves past the baseline by its
     threshold in the direction hacking moves it (``docs/monitors.md`` lists each default), once per excursion:
     it alarms again only after coming back. The gold rewards score the images validation already makes (its

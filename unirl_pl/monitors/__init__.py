@@ -12,6 +12,7 @@ from unirl_pl.monitors.images import (
     group_diversity,
     high_frequency_share,
     image_stats,
+    mean_luminance,
     saturated_fraction,
 )
 from unirl_pl.monitors.text import (
@@ -35,6 +36,7 @@ __all__ = [
     "high_frequency_share",
     "image_stats",
     "mean_length",
+    "mean_luminance",
     "novel_token_share",
     "recurring_phrase",
     "refinement_stats",

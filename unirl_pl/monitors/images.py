@@ -35,6 +35,12 @@ def dark_fraction(images: Tensor, level: float = 0.05) -> float:
     return float((_luma(images) < level).double().mean())
 
 
+def mean_luminance(images: Tensor) -> float:
+    """The mean luminance in ``[0, 1]``: a generator brightening or washing out its images raises it (darkening is
+    ``dark_fraction``'s)."""
+    return float(_luma(images).mean())
+
+
 def saturated_fraction(images: Tensor, level: float = 0.98) -> float:
     """The share of channel values at or above ``level`` or at or below ``1 - level``: clipped, burnt-out colour."""
     x = _frames(images)
@@ -105,10 +111,11 @@ def group_diversity(images: Tensor, groups: Sequence[object]) -> float:
 
 
 def image_stats(images: Tensor, groups: Sequence[object] | None = None) -> dict[str, float]:
-    """Every image statistic of a batch, by its metric name (``dark_frac``, ``blank_frac``, ``saturated_frac``,
-    ``high_freq``, ``colourfulness`` and, with ``groups``, ``diversity``)."""
+    """Every image statistic of a batch, by its metric name (``dark_frac``, ``luminance``, ``blank_frac``,
+    ``saturated_frac``, ``high_freq``, ``colourfulness`` and, with ``groups``, ``diversity``)."""
     stats = {
         "dark_frac": dark_fraction(images),
+        "luminance": mean_luminance(images),
         "blank_frac": blank_fraction(images),
         "saturated_frac": saturated_fraction(images),
         "high_freq": high_frequency_share(images),
