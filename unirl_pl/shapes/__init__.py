@@ -3,8 +3,26 @@
 ``scenes`` defines the scene grammar and categories, ``render`` draws ground-truth images,
 ``verify`` checks an image against a scene (the RL reward), and ``prompts`` writes user-style
 paraphrases with train and held-out phrasings and maps them back to canonical captions.
+
+ShapesWorld-Edit builds on them: ``edits`` samples instruction edits of a scene (recolor, reshape, add,
+remove, move) with train and held-out compositions, ``edit_prompts`` writes and parses the instructions,
+and ``edit_verify`` scores an edited image against the target and the objects it must preserve.
 """
 
+from unirl_pl.shapes.edit_prompts import EDIT_TEMPLATES, parse_instruction
+from unirl_pl.shapes.edit_verify import EditVerdict, edit_breakdown, verify_edit
+from unirl_pl.shapes.edits import (
+    EDIT_KINDS,
+    EDIT_SPLITS,
+    EditSpec,
+    edit_of,
+    is_heldout_edit,
+    make_edit_set,
+    paraphrase_edit,
+    render_source,
+    render_target,
+    sample_edit,
+)
 from unirl_pl.shapes.prompts import (
     SHAPES_WORDS,
     SPLITS,
@@ -36,12 +54,17 @@ __all__ = [
     "CATEGORIES",
     "COLORS",
     "DEFAULT_SIZE",
+    "EDIT_KINDS",
+    "EDIT_SPLITS",
+    "EDIT_TEMPLATES",
     "PALETTE",
     "RELATIONS",
     "SHAPES",
     "SHAPES_WORDS",
     "SPLITS",
     "Detection",
+    "EditSpec",
+    "EditVerdict",
     "ObjectSpec",
     "SceneSpec",
     "Verdict",
@@ -49,15 +72,25 @@ __all__ = [
     "canonical_of",
     "caption",
     "detect",
+    "edit_breakdown",
+    "edit_of",
+    "is_heldout_edit",
+    "make_edit_set",
     "make_prompt_set",
     "paraphrase",
+    "paraphrase_edit",
     "parse_caption",
+    "parse_instruction",
     "read_jsonl",
     "render",
     "render_batch",
+    "render_source",
+    "render_target",
+    "sample_edit",
     "sample_scene",
     "spec_of",
     "tokenize_words",
     "verify",
+    "verify_edit",
     "write_jsonl",
 ]
