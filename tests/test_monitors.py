@@ -70,11 +70,11 @@ def test_brightening_images_raise_the_luminance_alarm_and_no_other():
     prompts = ["a red square"] * 4 + ["a red box"] * 4
     monitor = RewardHackingMonitor(baseline_steps=2, refinement_stats=False)
     raised = []
-    for step, grey in enumerate([0.0, 0.0, 0.05, 0.15, 0.3]):
+    for step, grey in enumerate([0.0, 0.0, 0.1, 0.2, 0.3]):
         exp = SimpleNamespace(images=(scenes + grey).clamp(0, 1), prompts=prompts)
         raised += monitor.observe(monitor.measure(exp), step)
-    assert [(a.signal, a.step) for a in raised] == [("luminance", 3)]
-    assert raised[0].value - raised[0].baseline > 0.1
+    assert [(a.signal, a.step) for a in raised] == [("luminance", 3)]  # +0.1 is inside the default 0.15
+    assert raised[0].value - raised[0].baseline > 0.15
 
 
 def test_saturated_fraction_counts_values_at_either_end():

@@ -38,7 +38,7 @@ class Signal:
 
 SIGNALS: dict[str, Signal] = {
     "dark_frac": Signal("up", 0.25, relative=False),
-    "luminance": Signal("up", 0.1, relative=False),
+    "luminance": Signal("up", 0.15, relative=False),
     "blank_frac": Signal("up", 0.25, relative=False),
     "saturated_frac": Signal("up", 0.25, relative=False),
     "high_freq": Signal("up", 0.5, relative=True),
