@@ -40,8 +40,8 @@ def write_metrics(path: Path, luminance: list[float], strict: dict[int, float]) 
 
 
 def test_a_hack_that_lets_strict_rise_first_is_timed_from_its_best(table, tmp_path):
-    # Luminance leaves its 5-step baseline (0.1) by more than 0.1 at step 8; strict rises to 0.5, then falls.
-    luminance = [0.1] * 5 + [0.12, 0.15, 0.18, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6]
+    # Luminance leaves its 5-step baseline (0.1) by more than 0.15 at step 8; strict rises to 0.5, then falls.
+    luminance = [0.1] * 5 + [0.12, 0.15, 0.18, 0.3, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6]
     strict = {4: 0.40, 9: 0.50, 14: 0.44}
     row = table.summarize(write_metrics(tmp_path / "m.csv", luminance, strict), base=0.3, drop=0.05)
     assert (row["first_alarm_step"], row["first_alarm_signal"]) == (8, "luminance")
