@@ -75,12 +75,12 @@ def _tiny_recipe(**extra: str):
     return step_recipe(parsed_recipe(["--config", SD35, *_overrides({**TINY, **extra})]))
 
 
-def _plan_tiny(recipe, folders: tuple[Path, str], real: bool = False):
+def _plan_tiny(recipe, folders: tuple[Path, str], real: bool = False, every_block: bool = False, search: bool = True):
     """``plan_step`` of ``recipe`` on the tiny pipeline and refiner with an unlimited budget."""
     pipeline, lm = folders
     return plan_step(
         recipe, budget=1 << 40, title="tiny", pipeline_path=str(pipeline), llm_path=lm, prompt_tokens=24,
-        log=lambda _: None, real=real,
+        log=lambda _: None, real=real, every_block=every_block, search=search,
     )  # fmt: skip
 
 

@@ -224,3 +224,24 @@ def test_recipe_fits_the_gpu_it_names(name):
         assert "reward" not in candidate.phases
     if name == "sd35_pickscore":
         assert [t.name for t in on_device] == ["pickscore"]
+
+
+STAND_IN_CHECK = "promptrl_klein"
+"""The recipe whose plan is also traced block by block: FSDP2 over 6 ranks (the stand-ins run inside FSDP's hooks),
+full fine-tuning, a VLM refiner's decode with its KV cache, the Qwen3 text encoder and the DiT's rollout."""
+
+
+@pytest.mark.slow
+def test_stand_ins_give_a_real_size_plan_the_bytes_of_tracing_every_block():
+    """The block stand-ins (``unirl_pl.plan.blocks``) change no byte of a real-size plan: every phase of
+    ``STAND_IN_CHECK``'s step equals the plan that traces every block (``--trace-every-block``)."""
+    plan, _ = plan_of(STAND_IN_CHECK)
+    _, gb = named_gpu(STAND_IN_CHECK)
+    full = run(
+        ["--config", str(RECIPES / f"{STAND_IN_CHECK}.yaml"), "--gpu-memory-gb", str(gb), "--no-search", "--quiet"]
+        + plan_command_extras(STAND_IN_CHECK)
+        + ["--trace-every-block"]
+    )
+    assert plan.stood_in > 100 and full.stood_in == 0
+    assert plan.recipe_candidate.phases == full.recipe_candidate.phases
+    assert plan.held_lm_graph == full.held_lm_graph

@@ -56,6 +56,12 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="trace the recipe's own micro_batch_size and checkpointing only (does it fit?), not the largest that fits",
     )
+    p.add_argument(
+        "--trace-every-block",
+        action="store_true",
+        help="trace every call of a repeated block in forwards without autograd instead of standing in for the "
+        "copies of the first (the same peak, several times slower; a check of the stand-ins)",
+    )
     return p
 
 
@@ -105,6 +111,7 @@ def run(argv: list[str]) -> Plan:
             prompt_tokens=args.prompt_tokens,
             log=log,
             search=not args.no_search,
+            every_block=args.trace_every_block,
         )
     print_plan(plan)
     if args.json:

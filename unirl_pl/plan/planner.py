@@ -70,6 +70,7 @@ class Plan:
         rewards: The recipe's reward terms as the plan counts them (a model on the device, or where they score).
         searched: Whether the largest fitting micro-batches were searched (else only the recipe's setting).
         notes: What the trace approximates or assumes.
+        stood_in: Calls of repeated blocks stood in for by an earlier copy's trace (:mod:`unirl_pl.plan.blocks`).
         seconds: Wall time of the whole plan.
     """
 
@@ -87,6 +88,7 @@ class Plan:
     rewards: list[PlannedReward] = field(default_factory=list)
     searched: bool = True
     notes: list[str] = field(default_factory=list)
+    stood_in: int = 0
     seconds: float = 0.0
 
     def candidate(self, micro_batch: int, checkpointing: bool) -> Candidate | None:
@@ -208,11 +210,14 @@ def plan_step(
     log: Callable[[str], None] = print,
     real: bool = False,
     search: bool = True,
+    every_block: bool = False,
 ) -> Plan:
     """Trace ``recipe``'s step on fake tensors and search the micro-batch and checkpointing that fit in
     ``budget`` bytes per device; returns the :class:`Plan`. ``real`` runs the same code on the experts
     loaded with their weights and real tensors (small folders only): the check of the fake trace. Without
-    ``search`` only the recipe's own setting is traced (whether it fits, in a fraction of the time)."""
+    ``search`` only the recipe's own setting is traced (whether it fits, in a fraction of the time). A fake trace
+    stands in for the repeated calls of identical blocks in forwards without autograd
+    (:mod:`unirl_pl.plan.blocks`) unless ``every_block``."""
     start = time.monotonic()
     mode = None if real else FakeTensorMode()
     experts = build_experts(recipe, pipeline_path, llm_path, mode)
@@ -274,7 +279,7 @@ def plan_step(
                 shard(experts, trained, mesh, recipe.reshard_after_forward)
         with tensors, AllRowsReal():
             optimizers, losses = steady_state(experts, recipe, trained)
-            tracer = Tracer(experts, optimizers, losses, log)
+            tracer = Tracer(experts, optimizers, losses, log, stand_ins=mode is not None and not every_block)
             fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained, rewards)
             searcher = MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
             result.candidates = searcher.candidates
@@ -282,6 +287,12 @@ def plan_step(
             for checkpointing in (recipe.gradient_checkpointing, not recipe.gradient_checkpointing) if search else ():
                 result.largest[checkpointing] = searcher.largest(budget, checkpointing, [recipe_mb])
             result.held_lm_graph = searcher.held_lm_graph
+    result.stood_in = tracer.stood_in
+    if tracer.stood_in:
+        result.notes.append(
+            f"{tracer.stood_in} calls of repeated blocks without autograd stood in for by their first copy's trace: "
+            "the same peak (--trace-every-block traces each)"
+        )
     result.seconds = time.monotonic() - start
     return result
 

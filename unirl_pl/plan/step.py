@@ -20,6 +20,7 @@ import torch
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
 from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
+from unirl_pl.plan.blocks import BlockStandIns
 from unirl_pl.plan.models import FakeExperts
 from unirl_pl.plan.recipe import StepRecipe
 from unirl_pl.plan.tracker import PlanMemTracker
@@ -112,6 +113,8 @@ class Tracer:
         optimizers: The trained experts' optimizers (their state is resident).
         losses: Each optimizer's expert loss settings (its gradient clip).
         log: Progress messages (one line per trace).
+        stand_ins: Stand in for the repeated calls of identical blocks in forwards without autograd
+            (:mod:`unirl_pl.plan.blocks`: the same peak in a fraction of the time); off traces every block.
     """
 
     def __init__(
@@ -120,8 +123,11 @@ class Tracer:
         optimizers: list[torch.optim.Optimizer],
         losses: list[ExpertLoss],
         log: Callable[[str], None],
+        stand_ins: bool = True,
     ) -> None:
         self.experts, self.optimizers, self.losses, self.log = experts, optimizers, losses, log
+        self.stand_ins = stand_ins
+        self.stood_in = 0
         params = {id(p): p for m in experts.modules() for p in m.parameters() if p.requires_grad}
         self.trainable_bytes = sum(local_bytes(p) for p in params.values())
 
@@ -132,7 +138,12 @@ class Tracer:
         tracker.track_external(*self.experts.modules(), *self.optimizers, *resident.values())
         start = time.monotonic()
         with tracker:
-            yield tracker
+            if self.stand_ins:
+                with BlockStandIns(self.experts.modules(), tracker) as blocks:
+                    yield tracker
+                self.stood_in += blocks.stood_in
+            else:
+                yield tracker
         # A trace with marks (the training step) restarts its peak at each: the trace's peak is the highest part.
         peak = max(u.total for u in [tracker.peak(), *tracker.marks.values()])
         self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {peak / 2**30:.1f} GiB")

@@ -54,6 +54,31 @@ UNDEFINED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new
 """Operators whose results have no defined values to carry."""
 _UNKNOWN = object()
 
+Snapshot = dict[Any, dict[Any, int]]
+"""A tracker snapshot: device -> reference type (and ``_TOTAL_KEY``) -> bytes."""
+
+
+def snapshot_diff(after: Snapshot, before: Snapshot) -> Snapshot:
+    """``after - before`` per device and key, keeping the non-zero entries only (so equal changes compare equal)."""
+    out: Snapshot = {}
+    for device in after.keys() | before.keys():
+        a, b = after.get(device, {}), before.get(device, {})
+        changed = {key: a.get(key, 0) - b.get(key, 0) for key in a.keys() | b.keys()}
+        changed = {key: value for key, value in changed.items() if value}
+        if changed:
+            out[device] = changed
+    return out
+
+
+def snapshot_add(base: Snapshot, change: Snapshot) -> Snapshot:
+    """``base + change`` per device and key."""
+    out = {device: dict(keys) for device, keys in base.items()}
+    for device, keys in change.items():
+        target = out.setdefault(device, {})
+        for key, value in keys.items():
+            target[key] = target.get(key, 0) + value
+    return out
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -205,6 +230,42 @@ class PlanMemTracker(MemTracker):
                         self._track(reftype, leaf)
             self._update_peak_stats(None)
         return res
+
+    # ------------------------------------------------------------------ windows (the block stand-ins)
+
+    def open_window(self) -> tuple[dict[Any, int], Snapshot]:
+        """Start a peak from now (to read one call's own rise); returns the peak so far for
+        :meth:`close_window`."""
+        saved = (self._peak_mem, self._peak_mem_snap)
+        current = self.get_tracker_snapshot("current")
+        self._peak_mem = {device: snapshot[_TOTAL_KEY] for device, snapshot in current.items()}
+        self._peak_mem_snap = current
+        return saved
+
+    def close_window(self, saved: tuple[dict[Any, int], Snapshot]) -> Snapshot:
+        """End a window: returns its peak snapshot and keeps, per device, the higher of it and the ``saved`` peak."""
+        window = deepcopy(self._peak_mem_snap)
+        peak_mem, peak_snap = saved
+        for device, total in peak_mem.items():
+            if total >= self._peak_mem.get(device, 0):
+                self._peak_mem[device] = total
+                self._peak_mem_snap[device] = peak_snap[device]
+        return window
+
+    def enter_modules(self, modules: Iterator[torch.nn.Module] | list[torch.nn.Module]) -> None:
+        """File the parameters of ``modules`` as :meth:`_pre_fw_hook` does for a module seen first (a stood-in block's
+        submodules, which never run): FSDP2's all-gathered parameters, made as activations, become parameters."""
+        for module in modules:
+            if module not in self.memory_tracking:
+                self._track_module_params_and_buffers(module, install_grad_hooks=True)
+                self.memory_tracking[module] = _ModMemStats(self._mod_tracker.get_known_fqn(module) or "")
+
+    def raise_peak(self, snapshot: Snapshot) -> None:
+        """Take ``snapshot`` as the peak of each device where its total is higher (a stood-in call's peak)."""
+        for device, keys in snapshot.items():
+            if self._peak_mem.get(device, 0) < keys.get(_TOTAL_KEY, 0):
+                self._peak_mem[device] = keys[_TOTAL_KEY]
+                self._peak_mem_snap[device] = dict(keys)
 
     # ------------------------------------------------------------------ what the plan reads
 

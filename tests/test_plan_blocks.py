@@ -1,0 +1,247 @@
+"""The plan's stand-ins for repeated blocks (``unirl_pl.plan.blocks``): the same bytes as tracing every block.
+
+Each test traces the same forward twice on fake tensors under the plan's tracker, once with the stand-ins and once
+without, and compares the peak and what stays held. The cases are the ones the stand-ins must get right:
+
+- a decode's KV cache, which grows at every layer, so the last layer (a stand-in) rises from the highest start and
+  holds the phase's peak: dropping the stand-in's raise of the peak is caught;
+- outputs that share one storage or view an input (the stand-in must not allocate them apart);
+- calls that must be traced: autograd on, a hook below the block, a call of another kind (shapes);
+- a stand-in that leaves other bytes held than its template stops the plan with an error naming the block;
+- the whole plan of a tiny recipe with 4-block models, phase by phase, against ``every_block``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from unirl_pl.plan.blocks import BlockStandIns, repeated_blocks
+from unirl_pl.plan.models import to_fake
+from unirl_pl.plan.tracker import PlanMemTracker
+
+LAYERS = 4
+
+
+def fake_lm(mode: FakeTensorMode) -> Qwen2ForCausalLM:
+    """A 4-layer Qwen2 whose MLP (1024 wide) outweighs its logits (vocab 64): a layer's rise sets the peak."""
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=1024, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(config).eval()
+    to_fake([model], mode)
+    return model
+
+
+def trace(run, roots, stand_ins: bool, check: bool = False):
+    """Run ``run()`` under a fresh tracker (with stand-ins or not); returns (peak, held after, stand-ins object)."""
+    tracker = PlanMemTracker()
+    tracker.track_external(*roots)
+    with tracker:
+        before = tracker.current().total
+        if stand_ins:
+            with BlockStandIns(roots, tracker, check=check) as blocks:
+                kept = run()
+        else:
+            blocks = None
+            kept = run()
+        held = tracker.current().total - before
+        del kept
+    return tracker.peak(), held, blocks
+
+
+def decode(model: Qwen2ForCausalLM, rows: int = 6, prompt: int = 40, steps: int = 3):
+    """A prefill and ``steps`` one-token forwards with a KV cache, no grad; returns the cache (held)."""
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.ones(rows, prompt, dtype=torch.long), past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            model(input_ids=torch.ones(rows, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def test_a_decode_with_stand_ins_peaks_and_holds_what_tracing_every_layer_does():
+    mode = FakeTensorMode()
+    model = fake_lm(mode)
+    with mode:
+        full_peak, full_held, _ = trace(lambda: decode(model), [model], stand_ins=False)
+        peak, held, blocks = trace(lambda: decode(model), [model], stand_ins=True)
+    assert peak == full_peak and held == full_held > 0
+    # One template per kind of call (the prefill; each one-token step, whose cache is longer), the rest stood in.
+    assert blocks.stood_in == 4 * (LAYERS - 1)
+    assert len(blocks.templates) == 4
+
+
+def test_the_last_layer_stand_in_holds_the_peak_so_dropping_its_raise_is_caught(monkeypatch):
+    """The cache grows layer by layer: the last layer rises from the most held bytes, and that is the phase's peak.
+    A stand-in that allocated its outputs and cache entries but did not raise the peak would report less."""
+    mode = FakeTensorMode()
+    model = fake_lm(mode)
+    with mode:
+        full_peak, _, _ = trace(lambda: decode(model, steps=0), [model], stand_ins=False)
+        monkeypatch.setattr(PlanMemTracker, "raise_peak", lambda self, snapshot: None)
+        peak, _, _ = trace(lambda: decode(model, steps=0), [model], stand_ins=True)
+    assert peak.total < full_peak.total
+
+
+def test_check_mode_finds_every_layer_rises_as_its_template():
+    mode = FakeTensorMode()
+    model = fake_lm(mode)
+    with mode:
+        _, _, blocks = trace(lambda: decode(model), [model], stand_ins=True, check=True)
+    assert blocks.stood_in == 0 and blocks.mismatches == []
+
+
+def test_a_stand_in_that_leaves_other_bytes_held_is_an_error_naming_the_block(monkeypatch):
+    real = BlockStandIns._template
+
+    def without_cache_entries(self, *args):
+        template = real(self, *args)
+        if template is not None:
+            template.updates = []  # the stand-ins would not add their KV-cache entries
+        return template
+
+    monkeypatch.setattr(BlockStandIns, "_template", without_cache_entries)
+    mode = FakeTensorMode()
+    model = fake_lm(mode)
+    with mode, pytest.raises(RuntimeError, match="Qwen2DecoderLayer.*--trace-every-block"):
+        trace(lambda: decode(model, steps=0), [model], stand_ins=True)
+
+
+class SplitBlock(nn.Module):
+    """Returns two views of one new storage and its input itself (an output that is an input)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 8 * width)
+        self.down = nn.Linear(8 * width, 2 * width)
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        both = self.down(torch.relu(self.up(x))) * scale
+        width = x.shape[-1]
+        return both[..., :width], both[..., width:], x
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 5) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(SplitBlock(width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        kept = []
+        for block in self.blocks:
+            a, b, same = block(x)
+            assert same is x
+            kept.append(b)  # one view held across blocks: its whole storage stays
+            x = a
+        return kept
+
+
+def fake_stack(mode: FakeTensorMode) -> Stack:
+    with torch.device("meta"):
+        model = Stack()
+    to_fake([model], mode)
+    return model
+
+
+def test_outputs_sharing_a_storage_or_viewing_an_input_are_stood_in_as_such():
+    mode = FakeTensorMode()
+    model = fake_stack(mode)
+    with mode:
+        x = torch.ones(3, 7, 16)
+
+        def run():
+            with torch.no_grad():
+                return model(x)
+
+        full_peak, full_held, _ = trace(run, [model], stand_ins=False)
+        peak, held, blocks = trace(run, [model], stand_ins=True)
+        # The first block's input is contiguous, the others' a strided view: two templates, three stand-ins.
+        assert (peak, held) == (full_peak, full_held) and blocks.stood_in == 3
+        # The stood-in outputs: the kept view is a view of a (3, 7, 32) storage, as the traced block's.
+        tracker = PlanMemTracker()
+        with tracker, BlockStandIns([model], tracker):
+            with torch.no_grad():
+                a, b, same = model.blocks[0](x)
+                a2, b2, same2 = model.blocks[1](x)
+        assert same is x and same2 is x
+        assert StorageWeakRef(a2.untyped_storage()) == StorageWeakRef(b2.untyped_storage())
+        assert (a2.shape, a2.stride(), b2.storage_offset()) == (a.shape, a.stride(), b.storage_offset())
+        assert b2.untyped_storage().nbytes() == b.untyped_storage().nbytes() == 3 * 7 * 32 * 4
+
+
+def test_calls_with_autograd_hooks_below_or_other_shapes_are_traced():
+    mode = FakeTensorMode()
+    model = fake_stack(mode)
+    with mode:
+        x = torch.ones(2, 5, 16)
+        # Autograd on: every block traced.
+        _, _, blocks = trace(lambda: model(x.requires_grad_()), [model], stand_ins=True)
+        assert blocks.stood_in == 0
+        with torch.no_grad():
+            # Another kind of call (other shapes, another argument value) is a template of its own.
+            tracker = PlanMemTracker()
+            with tracker, BlockStandIns([model], tracker) as blocks:
+                for block, size, scale in zip(model.blocks, (5, 5, 6, 6, 6), (1.0, 1.0, 1.0, 2.0, 2.0), strict=True):
+                    block(torch.ones(2, size, 16), scale=scale)
+            assert blocks.stood_in == 2 and len(blocks.templates) == 3
+    # A hook below a block (an FSDP unit inside it would have one) keeps the block out.
+    handle = model.blocks[2].up.register_forward_hook(lambda *args: None)
+    found = repeated_blocks([model])
+    handle.remove()
+    assert model.blocks[2] not in found and model.blocks[1] in found
+    # A list shorter than the stack minimum is not a stack.
+    assert not repeated_blocks([nn.ModuleList([SplitBlock(4), SplitBlock(4)])])
+
+
+def test_stand_ins_restore_the_blocks_forward():
+    model = Stack()
+    tracker = PlanMemTracker()
+    with tracker, BlockStandIns([model], tracker):
+        assert "forward" in model.blocks[0].__dict__
+    assert all("forward" not in block.__dict__ for block in model.blocks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "fsdp2-2-ranks-unsharded-after-forward"])
+def test_tiny_plan_with_stand_ins_equals_tracing_every_block(tmp_path, sharded):
+    """A plan of the sd35 recipe on a 4-block SD3 transformer and a 4-layer refiner (fake: only the configs are read)
+    gives every phase the same bytes with the stand-ins as with ``every_block``, and says how many stood in; also
+    under FSDP2 over 2 fake ranks keeping the all-gathered blocks after forward (FSDP's hooks run around each
+    stand-in; the first forward files a block's all-gathered parameters as parameters)."""
+    from tests.chat_lm import make_qwen2_chat_lm
+    from tests.pipelines import make_sd3_pipeline
+    from tests.test_plan import ROOT, SD35, TINY, _overrides, _plan_tiny
+    from unirl_pl.plan.recipe import parsed_recipe, step_recipe
+
+    pipeline = make_sd3_pipeline(tmp_path / "sd3")
+    lm = Path(make_qwen2_chat_lm(tmp_path / "qwen"))
+    depths = ((pipeline / "transformer" / "config.json", "num_layers"), (lm / "config.json", "num_hidden_layers"))
+    for path, key in depths:
+        config = json.loads(path.read_text())
+        config[key] = LAYERS
+        if "layer_types" in config:
+            config["layer_types"] = [config["layer_types"][0]] * LAYERS
+        path.write_text(json.dumps(config))
+    args = ["--config", SD35, *_overrides(TINY)]
+    if sharded:
+        args += ["--config", str(ROOT / "recipes" / "fsdp.yaml"), "--data.prompts_per_step=4"]
+        args += ["--model.reshard_after_forward=false"]
+    recipe = step_recipe(parsed_recipe(args), devices=2 if sharded else 1)
+    fast = _plan_tiny(recipe, (pipeline, str(lm)), search=False)
+    full = _plan_tiny(recipe, (pipeline, str(lm)), every_block=True, search=False)
+    assert fast.fsdp == sharded
+    assert fast.stood_in > 0 and full.stood_in == 0
+    assert any("stood in" in note for note in fast.notes) and not any("stood in" in note for note in full.notes)
+    for mine, theirs in zip(fast.candidates, full.candidates, strict=True):
+        assert mine.phases == theirs.phases
+    assert fast.held_lm_graph == full.held_lm_graph

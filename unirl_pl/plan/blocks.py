@@ -1,0 +1,335 @@
+"""Stand-ins for the repeated blocks of a model in a plan's forwards without autograd.
+
+A real-size trace spends most of its time dispatching one block's operators again and again: a 60-block DiT
+runs the same block 60 times a forward, a refiner its 28 decoder layers at every decode step. In a forward
+without autograd, a block that is a copy of an earlier one (same class, same parameter shapes) called with
+inputs of the same kind (same shapes, dtypes, devices, other arguments and KV-cache length) leaves the same
+bytes held (its outputs; its KV-cache entries in a decode) and rises the same bytes above what was held when
+it started. So the first such call is traced (the template: its rise and what it leaves held are read off the
+tracker) and every later one stands in:
+
+- the tracker's peak is raised to what the block would have reached: the bytes held when it is called plus
+  the template's rise, per category (:meth:`PlanMemTracker.raise_peak`), so no argument about where the
+  peak falls is needed;
+- its KV-cache entries go through the cache's own ``update`` at this block's layer, at the template's shapes;
+- its outputs are allocated at the template's shapes, strides and storages (an output that views an input
+  views this call's input).
+
+What each stand-in leaves held is checked against its template's: a difference stops the plan with an error
+naming the block (``--trace-every-block`` traces without stand-ins) rather than giving a wrong figure.
+
+The stand-in replaces the block's ``forward``, not its call: FSDP2's hooks on the block (the all-gather before
+it and the reshard after) run as in the trace. Never stood in: calls with autograd on (a training forward's
+saved tensors and backward would have to be reproduced), blocks with hooks of their own below them (an FSDP
+unit inside a block), and kinds of call whose template leaves held anything but its outputs and cache entries.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+
+from unirl_pl.plan.tracker import PlanMemTracker, Snapshot, snapshot_add, snapshot_diff
+
+MIN_STACK = 3
+"""The fewest copies of a block in one ``ModuleList`` for its calls to be stood in."""
+
+
+@dataclass(frozen=True)
+class _Out:
+    """One output tensor of a template: a view (``shape``, ``stride``, ``offset``) of a new storage (``new``: its
+    index in the template's storages) or of an input's storage (``source``: the input tensor's leaf index), or
+    that input itself (``same``)."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+    new: int | None = None
+    source: int | None = None
+    same: bool = False
+
+
+@dataclass(frozen=True)
+class _Like:
+    """A tensor's shape, dtype and device, to make one like it without holding it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _Like:
+        """The description of ``tensor``."""
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
+
+    def make(self) -> torch.Tensor:
+        """An uninitialised tensor of this description."""
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
+@dataclass
+class _Template:
+    """What the traced call of one kind left: its rise over its start, its held bytes, its outputs' layout and the
+    KV-cache entries it added (key and value shapes, dtypes and the ``update`` keyword arguments)."""
+
+    rise: Snapshot
+    held: Snapshot
+    spec: Any
+    outputs: list[Any]
+    storages: list[tuple[int, torch.dtype, torch.device]]
+    updates: list[tuple[torch.Size, torch.dtype, torch.Size, torch.dtype, torch.device, dict]] = field(
+        default_factory=list
+    )
+
+
+def _cache_class() -> type | None:
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return None
+    return Cache
+
+
+def _layer_index(block: torch.nn.Module) -> int | None:
+    """The KV-cache layer a block writes (a transformers decoder layer's attention holds ``layer_idx``)."""
+    for module in block.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int):
+            return index
+    return None
+
+
+def _fingerprint(block: torch.nn.Module) -> tuple:
+    """A block's class and the names, shapes, dtypes and trainability of its parameters and buffers."""
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
+    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
+    return type(block).__qualname__, params, buffers
+
+
+def _has_inner_hooks(block: torch.nn.Module) -> bool:
+    """Whether a module below ``block`` has hooks of its own (an FSDP unit inside it): skipping its call would
+    skip them."""
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
+        for m in block.modules()
+        if m is not block
+    )
+
+
+def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, tuple[int, tuple]]:
+    """The blocks of every ``ModuleList`` of at least :data:`MIN_STACK` blocks under ``roots``, each with its stack's
+    id and its fingerprint (copies share both)."""
+    found: dict[torch.nn.Module, tuple[int, tuple]] = {}
+    seen: set[int] = set()
+    for root in roots:
+        for module in root.modules():
+            if id(module) in seen or not isinstance(module, torch.nn.ModuleList) or len(module) < MIN_STACK:
+                continue
+            seen.add(id(module))
+            for block in module:
+                if block not in found and not _has_inner_hooks(block):
+                    found[block] = (id(module), _fingerprint(block))
+    return found
+
+
+class BlockStandIns:
+    """Stands in for the repeated calls of the blocks under ``roots`` while entered (see the module docstring).
+
+    Args:
+        roots: The models whose ``ModuleList`` stacks are stood in.
+        tracker: The entered tracker whose peak and current bytes the stand-ins read and raise.
+        check: Trace every call instead, and list in ``mismatches`` each one that would have stood in but rose or
+            left held other bytes than its template (the test of the stand-ins' premise).
+    """
+
+    def __init__(self, roots: Sequence[torch.nn.Module], tracker: PlanMemTracker, check: bool = False) -> None:
+        self.tracker, self.check = tracker, check
+        self.mismatches: list[tuple[str, Snapshot, Snapshot, Snapshot, Snapshot]] = []
+        self.blocks = repeated_blocks(roots)
+        self.templates: dict[tuple, _Template | None] = {}
+        self.stood_in = 0
+        self._saved: dict[torch.nn.Module, Any] = {}
+        self._cache = _cache_class()
+
+    def __enter__(self) -> BlockStandIns:
+        for block in self.blocks:
+            self._saved[block] = block.__dict__.get("forward")
+            block.forward = functools.partial(self._call, block, block.forward)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for block, forward in self._saved.items():
+            if forward is None:
+                del block.forward
+            else:
+                block.forward = forward
+        self._saved.clear()
+
+    # ------------------------------------------------------------------ the call
+
+    def _key(self, block: torch.nn.Module, leaves: list[Any], spec: Any) -> tuple:
+        """The kind of a call: the block's stack and fingerprint, the inputs' structure, each tensor's shape,
+        stride, dtype and device, each KV cache's length at this block's layer, the other arguments' values (or
+        types), and the tracker's state (backward, recomputation, optimizer: they file tensors differently)."""
+        layer = _layer_index(block)
+        parts: list[Any] = [self.blocks[block], str(spec), self.tracker._mod_tracker.is_bw, self.tracker._in_ac]
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            elif self._cache is not None and isinstance(leaf, self._cache):
+                parts.append(("cache", id(leaf), None if layer is None else leaf.get_seq_length(layer)))
+            elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+                parts.append(leaf)
+            else:
+                parts.append(type(leaf).__qualname__)
+        return tuple(parts)
+
+    def _call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        leaves, spec = tree_flatten((args, kwargs))
+        key = self._key(block, leaves, spec)
+        if key not in self.templates:
+            return self._trace(block, forward, key, leaves, args, kwargs)
+        template = self.templates[key]
+        if template is None:
+            return forward(*args, **kwargs)
+        if self.check:
+            rise, held, out = self._measure(block, forward, args, kwargs)[:3]
+            if (rise, held) != (template.rise, template.held):
+                self.mismatches.append((type(block).__qualname__, rise, template.rise, held, template.held))
+            return out
+        return self._stand_in(block, template, leaves)
+
+    @contextmanager
+    def _cache_updates(self, layer: int | None) -> Iterator[list]:
+        """Record the KV-cache updates made while entered (``None`` in the list: one at another layer)."""
+        recorded: list = []
+        if self._cache is None:
+            yield recorded
+            return
+        cache_class, real = self._cache, self._cache.update
+
+        def update(cache: Any, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any, **kw: Any) -> Any:
+            if layer_idx != layer or args:
+                recorded.append(None)
+            else:
+                # Tensors among the cache's keyword arguments (position ids, rotary cos/sin) are kept as their
+                # shapes: holding the template's own would keep them alive.
+                kept = tree_map_only(torch.Tensor, _Like.of, dict(kw))
+                recorded.append((key.shape, key.dtype, value.shape, value.dtype, key.device, kept))
+            return real(cache, key, value, layer_idx, *args, **kw)
+
+        cache_class.update = update  # type: ignore[method-assign]
+        try:
+            yield recorded
+        finally:
+            cache_class.update = real  # type: ignore[method-assign]
+
+    def _measure(
+        self, block: torch.nn.Module, forward: Any, args: Any, kwargs: Any
+    ) -> tuple[Snapshot, Snapshot, Any, list]:
+        """Trace one call: its rise over its start, what it left held, its output and its cache updates."""
+        tracker = self.tracker
+        before = tracker.get_tracker_snapshot("current")
+        saved = tracker.open_window()
+        try:
+            with self._cache_updates(_layer_index(block)) as updates:
+                out = forward(*args, **kwargs)
+        finally:
+            peak = tracker.close_window(saved)
+        held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
+        return snapshot_diff(peak, before), held, out, updates
+
+    def _trace(
+        self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], args: Any, kwargs: Any
+    ) -> Any:
+        rise, held, out, updates = self._measure(block, forward, args, kwargs)
+        self.templates[key] = self._template(rise, held, out, leaves, updates)
+        return out
+
+    def _template(self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list) -> _Template | None:
+        """The template of a traced call, or None when its kind cannot stand in (what it left held is not its
+        outputs and cache entries, an output storage holds two dtypes, an update went to another layer)."""
+        if any(u is None for u in updates):
+            return None
+        inputs = {
+            StorageWeakRef(leaf.untyped_storage()): i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)
+        }
+        out_leaves, spec = tree_flatten(out)
+        storages: dict[StorageWeakRef, int] = {}
+        layout: list[tuple[int, torch.dtype, torch.device]] = []
+        outputs: list[Any] = []
+        for leaf in out_leaves:
+            if not isinstance(leaf, torch.Tensor):
+                outputs.append(leaf)
+                continue
+            ref = StorageWeakRef(leaf.untyped_storage())
+            view = dict(shape=tuple(leaf.shape), stride=leaf.stride(), offset=leaf.storage_offset(), dtype=leaf.dtype)
+            same = next((i for i, t in enumerate(leaves) if t is leaf), None)
+            if same is not None:
+                outputs.append(_Out(**view, source=same, same=True))
+                continue
+            if ref in inputs:
+                if leaves[inputs[ref]].dtype != leaf.dtype:
+                    return None
+                outputs.append(_Out(**view, source=inputs[ref]))
+                continue
+            if ref not in storages:
+                storages[ref] = len(layout)
+                layout.append((leaf.untyped_storage().nbytes(), leaf.dtype, leaf.device))
+            elif layout[storages[ref]][1] != leaf.dtype:
+                return None
+            outputs.append(_Out(**view, new=storages[ref]))
+        made = sum(nbytes for nbytes, _, _ in layout)
+        made += sum(k.numel() * kd.itemsize + v.numel() * vd.itemsize for k, kd, v, vd, _, _ in updates)
+        if sum(device[_TOTAL_KEY] for device in held.values()) != made:
+            return None
+        return _Template(rise, held, spec, outputs, layout, updates)
+
+    def _stand_in(self, block: torch.nn.Module, template: _Template, leaves: list[Any]) -> Any:
+        tracker = self.tracker
+        before = tracker.get_tracker_snapshot("current")
+        tracker.raise_peak(snapshot_add(before, template.rise))
+        tracker.enter_modules(m for m in block.modules() if m is not block)
+        if template.updates:
+            cache = next(leaf for leaf in leaves if isinstance(leaf, self._cache))  # type: ignore[arg-type]
+            layer = _layer_index(block)
+            for k_shape, k_dtype, v_shape, v_dtype, device, kw in template.updates:
+                key = torch.empty(k_shape, dtype=k_dtype, device=device)
+                value = torch.empty(v_shape, dtype=v_dtype, device=device)
+                cache.update(key, value, layer, **tree_map_only(_Like, _Like.make, kw))
+                del key, value
+        storages = [
+            torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            for nbytes, dtype, device in template.storages
+        ]
+        outputs = []
+        for out in template.outputs:
+            if not isinstance(out, _Out):
+                outputs.append(out)
+                continue
+            if out.same:
+                outputs.append(leaves[out.source])
+                continue
+            base = storages[out.new] if out.new is not None else leaves[out.source]
+            outputs.append(base.as_strided(out.shape, out.stride, out.offset))
+        del storages
+        result = tree_unflatten(outputs, template.spec)
+        held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
+        if held != template.held:
+            raise RuntimeError(
+                f"plan: the stand-in for a call of {type(block).__qualname__} left {held} held where its traced "
+                f"copy left {template.held}; rerun with --trace-every-block"
+            )
+        self.stood_in += 1
+        return result
