@@ -245,3 +245,123 @@ def test_tiny_plan_with_stand_ins_equals_tracing_every_block(tmp_path, sharded):
     for mine, theirs in zip(fast.candidates, full.candidates, strict=True):
         assert mine.phases == theirs.phases
     assert fast.held_lm_graph == full.held_lm_graph
+
+
+# ------------------------------------------------------------------ with autograd: forward and backward
+
+
+class Residual(nn.Module):
+    """``x + down(relu(up(x) * t))``: saves its input and the shared ``t`` for backward, and gives ``t`` a gradient."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 8 * width)
+        self.down = nn.Linear(8 * width, width)
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x) * t))
+
+
+class ResidualStack(nn.Module):
+    def __init__(self, checkpointing: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Residual() for _ in range(5))
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            # As diffusers and transformers checkpoint a block: around its call, non-reentrant.
+            if self.checkpointing:
+                x = torch.utils.checkpoint.checkpoint(block, x, t, use_reentrant=False)
+            else:
+                x = block(x, t)
+        return x.square().sum()
+
+
+def train(checkpointing: bool, frozen_down: bool, stand_ins: bool):
+    """One training forward and backward of a fake 5-block residual stack under the tracker; returns (peak, held after,
+    stand-ins object, model)."""
+    mode = FakeTensorMode()
+    with torch.device("meta"):
+        model = ResidualStack(checkpointing)
+    for name, param in model.named_parameters():
+        param.requires_grad_(not (frozen_down and "down" in name))  # as LoRA leaves base weights frozen
+    to_fake([model], mode)
+    with mode:
+        x = torch.ones(4, 9, 16, requires_grad=True)
+        t = torch.ones(4, 9, 128, requires_grad=True)
+
+        def run():
+            model(x * 1, t * 1).backward()
+
+        peak, held, blocks = trace(run, [model], stand_ins)
+    return peak, held, blocks, model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "checkpointed"])
+@pytest.mark.parametrize("frozen_down", [False, True], ids=["all-trained", "part-frozen"])
+def test_a_training_step_with_stand_ins_peaks_and_holds_what_tracing_every_block_does(checkpointing, frozen_down):
+    full_peak, full_held, _, _ = train(checkpointing, frozen_down, stand_ins=False)
+    peak, held, blocks, model = train(checkpointing, frozen_down, stand_ins=True)
+    assert (peak, held) == (full_peak, full_held)
+    # Block 0's call is traced (forward and backward); blocks 1-4 stand in, and their trained parameters get gradients.
+    assert blocks.stood_in == 4
+    for block in model.blocks[1:]:
+        for param in block.parameters():
+            assert (param.grad is not None) == param.requires_grad
+            assert param.grad is None or param.grad.shape == param.shape
+
+
+@pytest.mark.parametrize("drop", ["saved activations", "kept inputs", "backward rise"])
+def test_dropping_any_part_of_a_training_stand_in_is_caught(drop, monkeypatch):
+    """Each part a stand-in reproduces matters here: the activations its block saves (the stand-in's held check stops
+    the plan), the inputs it keeps for backward (saved, so alive after the caller drops them) and the rise of its
+    backward (the part-frozen stack's peak is in the last block's backward, a stand-in, which waits for the traced
+    block 0's backward to learn it): without either, the peak is lower than tracing every block."""
+    from unirl_pl.plan import blocks as module
+
+    full_peak, _, _, _ = train(False, True, stand_ins=False)
+    if drop == "saved activations":
+        real = module._StandInCall.__init__
+
+        def no_saved(self, make, saved, *rest):
+            real(self, make, 0, *rest)
+
+        monkeypatch.setattr(module._StandInCall, "__init__", no_saved)
+        with pytest.raises(RuntimeError, match="stand-in for a call of Residual left"):
+            train(False, True, stand_ins=True)
+        return
+    if drop == "kept inputs":
+        real_trace = module.BlockStandIns._trace
+
+        def keep_nothing(self, *args):
+            out = real_trace(self, *args)
+            for template in self.templates.values():
+                if template is not None:
+                    template.kept = []
+            return out
+
+        monkeypatch.setattr(module.BlockStandIns, "_trace", keep_nothing)
+    else:
+        monkeypatch.setattr(module._Backward, "_check", lambda self, held, marks, gave: None)
+    peak, _, blocks, _ = train(False, True, stand_ins=True)
+    assert blocks.stood_in == 4
+    assert peak.total < full_peak.total
+
+
+def test_a_backward_that_stops_before_the_traced_block_is_an_error():
+    """Blocks 1-4 stand in; a backward restricted to block 3's parameters never reaches block 0 (the traced copy),
+    so the stand-ins' backward rise is unknown: an error, not a plan without it."""
+    mode = FakeTensorMode()
+    with torch.device("meta"):
+        model = ResidualStack(False)
+    to_fake([model], mode)
+    with mode:
+        x = torch.ones(4, 9, 16, requires_grad=True)
+        t = torch.ones(4, 9, 128, requires_grad=True)
+
+        def run():
+            torch.autograd.backward(model(x * 1, t * 1), inputs=list(model.blocks[3].parameters()))
+
+        with pytest.raises(RuntimeError, match="traced copy's never did.*--trace-every-block"):
+            trace(run, [model], stand_ins=True)

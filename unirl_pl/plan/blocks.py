@@ -1,27 +1,35 @@
-"""Stand-ins for the repeated blocks of a model in a plan's forwards without autograd.
+"""Stand-ins for the repeated blocks of a model in a plan's trace.
 
 A real-size trace spends most of its time dispatching one block's operators again and again: a 60-block DiT
-runs the same block 60 times a forward, a refiner its 28 decoder layers at every decode step. In a forward
-without autograd, a block that is a copy of an earlier one (same class, same parameter shapes) called with
-inputs of the same kind (same shapes, dtypes, devices, other arguments and KV-cache length) leaves the same
-bytes held (its outputs; its KV-cache entries in a decode) and rises the same bytes above what was held when
-it started. So the first such call is traced (the template: its rise and what it leaves held are read off the
+runs the same block 60 times a forward, a refiner its 28 decoder layers at every decode step. A block that is a
+copy of an earlier one (same class, same parameter shapes and trainability) called with inputs of the same kind
+(same shapes, strides, dtypes, devices and gradient flags, other arguments, KV-cache length, autograd and
+checkpointing on or off) leaves the same bytes held and rises the same bytes above what was held when it
+started. So the first such call is traced (the template: its rise and what it leaves held are read off the
 tracker) and every later one stands in:
 
 - the tracker's peak is raised to what the block would have reached: the bytes held when it is called plus
-  the template's rise, per category (:meth:`PlanMemTracker.raise_peak`), so no argument about where the
-  peak falls is needed;
+  the template's rise, per category (:meth:`PlanMemTracker.raise_peak`), so no argument about where the peak
+  falls is needed;
 - its KV-cache entries go through the cache's own ``update`` at this block's layer, at the template's shapes;
 - its outputs are allocated at the template's shapes, strides and storages (an output that views an input
-  views this call's input).
+  views this call's input), and its parameters are filed as the tracker files a module it enters first;
+- with autograd on, it is one node of the graph (``_StandInFunction``) that holds what the template left held
+  beyond its outputs (the activations it saved, as one buffer) and the inputs the template kept alive (saved,
+  or held by checkpointing) until its backward, which raises the peak by the template's backward rise, frees
+  them, and gives the inputs and the trainable parameters their gradients (FSDP2 then reduces those as a
+  block's). The template's backward is measured between gradient hooks on its outputs and inputs; it runs after
+  the stand-ins' (the first block is the last to backpropagate), so their raises wait until it is known.
 
 What each stand-in leaves held is checked against its template's: a difference stops the plan with an error
-naming the block (``--trace-every-block`` traces without stand-ins) rather than giving a wrong figure.
+naming the block (``--trace-every-block`` traces without stand-ins) rather than giving a wrong figure; so does a
+stand-in whose backward ran without its template's.
 
-The stand-in replaces the block's ``forward``, not its call: FSDP2's hooks on the block (the all-gather before
-it and the reshard after) run as in the trace. Never stood in: calls with autograd on (a training forward's
-saved tensors and backward would have to be reproduced), blocks with hooks of their own below them (an FSDP
-unit inside a block), and kinds of call whose template leaves held anything but its outputs and cache entries.
+The stand-in replaces the block's ``forward``, not its call: FSDP2's hooks on the block (the all-gather before it,
+the reshard after, their backward counterparts) and checkpointing around it run as in the trace. Never stood in:
+blocks with hooks of their own below them (an FSDP unit inside a block), a checkpointed block's recomputation
+(part of its template's backward), and kinds of call whose template leaves held anything but its outputs, cache
+entries and saved activations, or (with autograd) returns an input, or has no input or output with a gradient.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from unirl_pl.plan.tracker import PlanMemTracker, Snapshot, snapshot_add, snapshot_diff
 
@@ -89,6 +98,105 @@ class _Template:
     updates: list[tuple[torch.Size, torch.dtype, torch.Size, torch.dtype, torch.device, dict]] = field(
         default_factory=list
     )
+    saved: int = 0
+    backward: _Backward | None = None
+    kept: list[int] = field(default_factory=list)
+
+
+class _Backward:
+    """A traced call's backward, measured between gradient hooks: on its outputs (the first gradient made: the
+    window opens) and on its inputs that need gradients (every one made: it closes). Its rise over its start is
+    known only then, and the backward of a later call (a stand-in) runs before it; so a stand-in's backward leaves
+    the bytes held at its start in ``pending``, and the peak is raised by the rise when the window closes (a peak
+    is a maximum: the order does not matter within one trace)."""
+
+    def __init__(self, tracker: PlanMemTracker) -> None:
+        self.tracker = tracker
+        self.rise: Snapshot | None = None
+        self.grads: list[bool] | None = None
+        self.pending: list[tuple[Snapshot, int, list[bool]]] = []
+        self._window: Any = None
+        self._start: Snapshot = {}
+
+    def open(self) -> None:
+        """The traced call's backward begins (a gradient of its outputs is made)."""
+        self._start = self.tracker.get_tracker_snapshot("current")
+        self._window = self.tracker.open_window()
+
+    def close(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The traced call's backward ends with ``grads`` for its inputs: raise the peak for the stand-ins that
+        waited, and check they gave gradients to the same inputs."""
+        if self._window is None:
+            return
+        peak = self.tracker.close_window(self._window)
+        self._window = None
+        self.rise = snapshot_diff(peak, self._start)
+        self.grads = [g is not None for g in grads]
+        for held, marks, gave in self.pending:
+            self._check(held, marks, gave)
+        self.pending.clear()
+
+    def stand_in(self, held: Snapshot, gave: list[bool]) -> None:
+        """A stand-in's backward starts with ``held`` and gives gradients to the inputs flagged in ``gave``."""
+        if self.rise is None:
+            self.pending.append((held, self.tracker.mark_count, gave))
+        else:
+            self._check(held, self.tracker.mark_count, gave)
+
+    def _check(self, held: Snapshot, marks: int, gave: list[bool]) -> None:
+        if marks != self.tracker.mark_count or gave != self.grads:
+            raise RuntimeError(
+                "plan: a stood-in block's backward does not match its traced copy's (a phase mark between them, or "
+                f"gradients for other inputs: {gave} against {self.grads}); rerun with --trace-every-block"
+            )
+        assert self.rise is not None
+        self.tracker.raise_peak(snapshot_add(held, self.rise))
+
+
+class _StandInCall:
+    """One stood-in call with autograd on: makes its outputs and saved bytes in forward, and in backward frees the
+    saved bytes and makes its inputs' and parameters' gradients (shapes only: holding tensors would keep them)."""
+
+    def __init__(
+        self, make: Any, saved: int, device: Any, window: _Backward, inputs: list, params: list, kept: list
+    ) -> None:
+        self.make, self.window = make, window
+        self.saved_bytes, self.device = saved, device
+        self.inputs = [_Like.of(t) for t in inputs]
+        self.params = [_Like.of(p) for p in params]
+        self.saved: torch.Tensor | None = None
+        # The inputs its traced copy kept alive until its backward (saved, or held by checkpointing).
+        self.kept: list[torch.Tensor] | None = kept
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        if self.saved_bytes:
+            self.saved = torch.empty(self.saved_bytes, dtype=torch.uint8, device=self.device)
+        make, self.make = self.make, None  # it holds the call's inputs, which the backward node must not keep
+        return make()
+
+    def backward(self) -> list[torch.Tensor]:
+        """Raise the peak by the traced copy's backward rise, free the saved bytes and inputs, and give the inputs and
+        parameters their gradients."""
+        self.window.stand_in(self.window.tracker.get_tracker_snapshot("current"), [True] * len(self.inputs))
+        self.saved = self.kept = None  # the block's saved activations and inputs, all freed by its backward's end
+        return [like.make() for like in self.inputs] + [like.make() for like in self.params]
+
+
+class _StandInFunction(torch.autograd.Function):
+    """A stood-in call in the autograd graph: its inputs that need gradients and the block's trainable parameters
+    in, its tensor outputs out."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _StandInCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        ctx.call = call
+        outs = call.forward()
+        ctx.mark_non_differentiable(*(o for o in outs if not (o.is_floating_point() or o.is_complex())))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        return (None, *ctx.call.backward())
 
 
 def _cache_class() -> type | None:
@@ -97,6 +205,11 @@ def _cache_class() -> type | None:
     except ImportError:  # pragma: no cover - transformers is a dependency
         return None
     return Cache
+
+
+def _checkpointing() -> bool:
+    """Whether saved-tensor hooks are on (activation checkpointing packs what a block saves)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def _layer_index(block: torch.nn.Module) -> int | None:
@@ -166,13 +279,19 @@ class BlockStandIns:
             block.forward = functools.partial(self._call, block, block.forward)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         for block, forward in self._saved.items():
             if forward is None:
                 del block.forward
             else:
                 block.forward = forward
         self._saved.clear()
+        waiting = [t for t in self.templates.values() if t is not None and t.backward and t.backward.pending]
+        if kind is None and waiting:
+            raise RuntimeError(
+                "plan: a stood-in block's backward ran but its traced copy's never did (a backward that stops inside a "
+                "stack of blocks), so its peak is unknown; rerun with --trace-every-block"
+            )
 
     # ------------------------------------------------------------------ the call
 
@@ -181,7 +300,13 @@ class BlockStandIns:
         stride, dtype and device, each KV cache's length at this block's layer, the other arguments' values (or
         types), and the tracker's state (backward, recomputation, optimizer: they file tensors differently)."""
         layer = _layer_index(block)
-        parts: list[Any] = [self.blocks[block], str(spec), self.tracker._mod_tracker.is_bw, self.tracker._in_ac]
+        parts: list[Any] = [
+            self.blocks[block],
+            str(spec),
+            torch.is_grad_enabled(),
+            _checkpointing(),
+            self.tracker._in_ac,
+        ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
@@ -194,14 +319,14 @@ class BlockStandIns:
         return tuple(parts)
 
     def _call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            return forward(*args, **kwargs)
+        if torch.is_grad_enabled() and self.tracker._mod_tracker.is_bw:
+            return forward(*args, **kwargs)  # a checkpointed block's recomputation: part of its traced backward
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(block, leaves, spec)
         if key not in self.templates:
-            return self._trace(block, forward, key, leaves, args, kwargs)
+            return self._trace(block, forward, key, leaves, spec)
         template = self.templates[key]
-        if template is None:
+        if template is None or (self.check and template.backward is not None):
             return forward(*args, **kwargs)
         if self.check:
             rise, held, out = self._measure(block, forward, args, kwargs)[:3]
@@ -250,16 +375,43 @@ class BlockStandIns:
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
         return snapshot_diff(peak, before), held, out, updates
 
-    def _trace(
-        self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], args: Any, kwargs: Any
-    ) -> Any:
+    def _trace(self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], spec: Any) -> Any:
+        args, kwargs = tree_unflatten(leaves, spec)
+        # The references to each input from outside Python (a tensor saved for backward holds one) before the call.
+        uses = [leaf._use_count() if isinstance(leaf, torch.Tensor) else 0 for leaf in leaves]
         rise, held, out, updates = self._measure(block, forward, args, kwargs)
-        self.templates[key] = self._template(rise, held, out, leaves, updates)
+        if not torch.is_grad_enabled():
+            self.templates[key] = self._template(rise, held, out, leaves, updates, None)
+            return out
+        # With autograd: gradient hooks on the outputs (any: the backward begins) and on the inputs that need
+        # gradients (all: it ends) bound the call's backward (see ``_Backward``); without both, it is traced only.
+        needs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        graded = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        template = None
+        if needs and graded:
+            window = _Backward(self.tracker)
+            template = self._template(rise, held, out, leaves, updates, window)
+            if template is not None:
+                # The inputs the call keeps for its backward: those it saved, or under checkpointing (which keeps a
+                # block's arguments to recompute it) every one.
+                saving = _checkpointing()
+                template.kept = [
+                    i
+                    for i, (leaf, before) in enumerate(zip(leaves, uses, strict=True))
+                    if isinstance(leaf, torch.Tensor) and (saving or leaf._use_count() > before)
+                ]
+                register_multi_grad_hook(graded, lambda grad: window.open(), mode="any")
+                register_multi_grad_hook(needs, window.close, mode="all")
+        self.templates[key] = template
         return out
 
-    def _template(self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list) -> _Template | None:
-        """The template of a traced call, or None when its kind cannot stand in (what it left held is not its
-        outputs and cache entries, an output storage holds two dtypes, an update went to another layer)."""
+    def _template(
+        self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list, window: _Backward | None
+    ) -> _Template | None:
+        """The template of a traced call, or None when its kind cannot stand in: what it left held is not its
+        outputs and cache entries (and, with autograd, the tensors saved for its backward), an output storage holds
+        two dtypes, an update went to another layer; with autograd also an output that is or views an input, or a
+        floating output without a gradient."""
         if any(u is None for u in updates):
             return None
         inputs = {
@@ -276,6 +428,10 @@ class BlockStandIns:
             ref = StorageWeakRef(leaf.untyped_storage())
             view = dict(shape=tuple(leaf.shape), stride=leaf.stride(), offset=leaf.storage_offset(), dtype=leaf.dtype)
             same = next((i for i, t in enumerate(leaves) if t is leaf), None)
+            if window is not None and (same is not None or ref in inputs):
+                return None
+            if window is not None and (leaf.is_floating_point() or leaf.is_complex()) and not leaf.requires_grad:
+                return None
             if same is not None:
                 outputs.append(_Out(**view, source=same, same=True))
                 continue
@@ -292,9 +448,10 @@ class BlockStandIns:
             outputs.append(_Out(**view, new=storages[ref]))
         made = sum(nbytes for nbytes, _, _ in layout)
         made += sum(k.numel() * kd.itemsize + v.numel() * vd.itemsize for k, kd, v, vd, _, _ in updates)
-        if sum(device[_TOTAL_KEY] for device in held.values()) != made:
+        saved = sum(device[_TOTAL_KEY] for device in held.values()) - made
+        if saved < 0 or (saved and window is None) or (saved and len(held) != 1):
             return None
-        return _Template(rise, held, spec, outputs, layout, updates)
+        return _Template(rise, held, spec, outputs, layout, updates, saved, window)
 
     def _stand_in(self, block: torch.nn.Module, template: _Template, leaves: list[Any]) -> Any:
         tracker = self.tracker
@@ -309,22 +466,21 @@ class BlockStandIns:
                 value = torch.empty(v_shape, dtype=v_dtype, device=device)
                 cache.update(key, value, layer, **tree_map_only(_Like, _Like.make, kw))
                 del key, value
-        storages = [
-            torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device)
-            for nbytes, dtype, device in template.storages
-        ]
-        outputs = []
-        for out in template.outputs:
-            if not isinstance(out, _Out):
-                outputs.append(out)
-                continue
-            if out.same:
-                outputs.append(leaves[out.source])
-                continue
-            base = storages[out.new] if out.new is not None else leaves[out.source]
-            outputs.append(base.as_strided(out.shape, out.stride, out.offset))
-        del storages
-        result = tree_unflatten(outputs, template.spec)
+        if template.backward is None:
+            result = tree_unflatten(_outputs(template, leaves), template.spec)
+        else:
+            needs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+            params = [p for p in block.parameters() if p.requires_grad]
+
+            def make() -> tuple[torch.Tensor, ...]:
+                return tuple(t for t in _outputs(template, leaves) if isinstance(t, torch.Tensor))
+
+            device = next(iter(template.held))
+            kept = [leaves[i] for i in template.kept]
+            call = _StandInCall(make, template.saved, device, template.backward, needs, params, kept)
+            made = iter(_StandInFunction.apply(call, *needs, *params))
+            outs = [next(made) if isinstance(out, _Out) else out for out in template.outputs]
+            result = tree_unflatten(outs, template.spec)
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
         if held != template.held:
             raise RuntimeError(
@@ -333,3 +489,21 @@ class BlockStandIns:
             )
         self.stood_in += 1
         return result
+
+
+def _outputs(template: _Template, leaves: list[Any]) -> list[Any]:
+    """The output leaves of a stand-in: new storages of the template's sizes viewed as its outputs were, views of
+    this call's inputs where its outputs viewed its inputs, and its other leaves as they were."""
+    storages = [
+        torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device) for nbytes, dtype, device in template.storages
+    ]
+    outputs = []
+    for out in template.outputs:
+        if not isinstance(out, _Out):
+            outputs.append(out)
+        elif out.same:
+            outputs.append(leaves[out.source])
+        else:
+            base = storages[out.new] if out.new is not None else leaves[out.source]
+            outputs.append(base.as_strided(out.shape, out.stride, out.offset))
+    return outputs

@@ -139,6 +139,7 @@ class PlanMemTracker(MemTracker):
         super().__init__()
         self.trainable_param_bytes = trainable_param_bytes
         self.marks: dict[str, Usage] = {}
+        self.mark_count = 0
 
     # ------------------------------------------------------------------ MemTracker overrides
 
@@ -280,6 +281,7 @@ class PlanMemTracker(MemTracker):
     def mark(self, name: str) -> Usage:
         """Record the peak since the last mark under ``name`` and start a new peak from now."""
         self.marks[name] = self.peak()
+        self.mark_count += 1
         current = self.get_tracker_snapshot("current")
         self._peak_mem = {device: snapshot[_TOTAL_KEY] for device, snapshot in current.items()}
         self._peak_mem_snap = current
