@@ -11,6 +11,8 @@ models and divides the step over the ranks.
   with the GPU its comments name ("one 80 GB GPU", "8 x 80 GB") and the plan command they give (Wan2.2's
   ``--pipeline-path``); every phase must stay within that GPU less the plan's 4 GiB reserve. One plan per
   recipe, about a minute of one core each (marked slow).
+- Stand-ins: one real-size plan (``STAND_IN_CHECK``) is also traced block by block (``--trace-every-block``): every
+  phase's bytes are equal (slow).
 """
 
 from __future__ import annotations

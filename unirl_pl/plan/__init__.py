@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trace-every-block",
         action="store_true",
-        help="trace every call of a repeated block in forwards without autograd instead of standing in for the "
+        help="trace every call of a repeated block instead of standing in for the "
         "copies of the first (the same peak, several times slower; a check of the stand-ins)",
     )
     return p

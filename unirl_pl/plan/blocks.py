@@ -35,6 +35,7 @@ entries and saved activations, or (with autograd) returns an input, or has no in
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -113,9 +114,10 @@ class _Backward:
     def __init__(self, tracker: PlanMemTracker) -> None:
         self.tracker = tracker
         self.rise: Snapshot | None = None
-        self.grads: list[bool] | None = None
-        self.pending: list[tuple[Snapshot, int, list[bool]]] = []
-        self._window: Any = None
+        self.incoming: list[tuple | None] | None = None
+        self.gave: list[bool] | None = None
+        self.pending: list[tuple[Snapshot, int, list[tuple | None], int]] = []
+        self._window: int | None = None
         self._start: Snapshot = {}
 
     def open(self) -> None:
@@ -123,34 +125,45 @@ class _Backward:
         self._start = self.tracker.get_tracker_snapshot("current")
         self._window = self.tracker.open_window()
 
+    def received(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The traced call's outputs' gradients, all made: their shapes and dtypes, for the stand-ins to match."""
+        self.incoming = _grad_kinds(grads)
+
     def close(self, grads: Sequence[torch.Tensor | None]) -> None:
         """The traced call's backward ends with ``grads`` for its inputs: raise the peak for the stand-ins that
-        waited, and check they gave gradients to the same inputs."""
+        waited, and check them against it."""
         if self._window is None:
             return
         peak = self.tracker.close_window(self._window)
         self._window = None
         self.rise = snapshot_diff(peak, self._start)
-        self.grads = [g is not None for g in grads]
-        for held, marks, gave in self.pending:
-            self._check(held, marks, gave)
+        self.gave = [g is not None for g in grads]
+        for held, marks, incoming, inputs in self.pending:
+            self._check(held, marks, incoming, inputs, waited=True)
         self.pending.clear()
 
-    def stand_in(self, held: Snapshot, gave: list[bool]) -> None:
-        """A stand-in's backward starts with ``held`` and gives gradients to the inputs flagged in ``gave``."""
+    def stand_in(self, held: Snapshot, grads: Sequence[torch.Tensor | None], inputs: int) -> None:
+        """A stand-in's backward starts with ``held`` and ``grads`` for its outputs, and gives ``inputs`` gradients."""
         if self.rise is None:
-            self.pending.append((held, self.tracker.mark_count, gave))
+            self.pending.append((held, self.tracker.mark_count, _grad_kinds(grads), inputs))
         else:
-            self._check(held, self.tracker.mark_count, gave)
+            self._check(held, self.tracker.mark_count, _grad_kinds(grads), inputs, waited=False)
 
-    def _check(self, held: Snapshot, marks: int, gave: list[bool]) -> None:
-        if marks != self.tracker.mark_count or gave != self.grads:
+    def _check(self, held: Snapshot, marks: int, incoming: list, inputs: int, waited: bool) -> None:
+        if marks != self.tracker.mark_count or incoming != self.incoming or [True] * inputs != self.gave:
             raise RuntimeError(
-                "plan: a stood-in block's backward does not match its traced copy's (a phase mark between them, or "
-                f"gradients for other inputs: {gave} against {self.grads}); rerun with --trace-every-block"
+                "plan: a stood-in block's backward does not match its traced copy's (a phase mark between them, "
+                f"gradients of other shapes or dtypes, {incoming} against {self.incoming}, or for other inputs, "
+                f"{self.gave}); rerun with --trace-every-block"
             )
         assert self.rise is not None
-        self.tracker.raise_peak(snapshot_add(held, self.rise))
+        # A waiting stand-in's moment was before any window now open: it raises the tracker's peak only.
+        self.tracker.raise_peak(snapshot_add(held, self.rise), windows=not waited)
+
+
+def _grad_kinds(grads: Sequence[torch.Tensor | None]) -> list[tuple | None]:
+    """Each gradient's shape and dtype (None where there is none)."""
+    return [None if g is None else (tuple(g.shape), g.dtype) for g in grads]
 
 
 class _StandInCall:
@@ -174,10 +187,10 @@ class _StandInCall:
         make, self.make = self.make, None  # it holds the call's inputs, which the backward node must not keep
         return make()
 
-    def backward(self) -> list[torch.Tensor]:
+    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Raise the peak by the traced copy's backward rise, free the saved bytes and inputs, and give the inputs and
         parameters their gradients."""
-        self.window.stand_in(self.window.tracker.get_tracker_snapshot("current"), [True] * len(self.inputs))
+        self.window.stand_in(self.window.tracker.get_tracker_snapshot("current"), grads, len(self.inputs))
         self.saved = self.kept = None  # the block's saved activations and inputs, all freed by its backward's end
         return [like.make() for like in self.inputs] + [like.make() for like in self.params]
 
@@ -196,7 +209,7 @@ class _StandInFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *ctx.call.backward())
+        return (None, *ctx.call.backward(grads))
 
 
 def _cache_class() -> type | None:
@@ -238,19 +251,25 @@ def _has_inner_hooks(block: torch.nn.Module) -> bool:
     )
 
 
-def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, tuple[int, tuple]]:
-    """The blocks of every ``ModuleList`` of at least :data:`MIN_STACK` blocks under ``roots``, each with its stack's
-    id and its fingerprint (copies share both)."""
-    found: dict[torch.nn.Module, tuple[int, tuple]] = {}
+def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, tuple[int, tuple, bool]]:
+    """The blocks under ``roots`` that have at least :data:`MIN_STACK` copies in their ``ModuleList`` (a list of
+    different layers, such as a feed-forward's activation, dropout and projection, is not a stack), each with its
+    stack's id, its fingerprint (copies share both) and whether it is the stack's last copy."""
+    found: dict[torch.nn.Module, tuple[int, tuple, bool]] = {}
     seen: set[int] = set()
     for root in roots:
         for module in root.modules():
             if id(module) in seen or not isinstance(module, torch.nn.ModuleList) or len(module) < MIN_STACK:
                 continue
             seen.add(id(module))
-            for block in module:
-                if block not in found and not _has_inner_hooks(block):
-                    found[block] = (id(module), _fingerprint(block))
+            prints = {block: _fingerprint(block) for block in module}
+            counts = Counter(prints.values())
+            last = {fingerprint: block for block, fingerprint in prints.items()}
+            for block, fingerprint in prints.items():
+                if counts[fingerprint] >= MIN_STACK and block not in found and not _has_inner_hooks(block):
+                    # With autograd the last copy is a kind of its own: the first to backpropagate, it takes the
+                    # gradients of whatever follows the stack (a final norm's, in another dtype), not a copy's.
+                    found[block] = (id(module), fingerprint, last[fingerprint] is block)
     return found
 
 
@@ -272,6 +291,7 @@ class BlockStandIns:
         self.stood_in = 0
         self._saved: dict[torch.nn.Module, Any] = {}
         self._cache = _cache_class()
+        self._inside = 0
 
     def __enter__(self) -> BlockStandIns:
         for block in self.blocks:
@@ -297,15 +317,21 @@ class BlockStandIns:
 
     def _key(self, block: torch.nn.Module, leaves: list[Any], spec: Any) -> tuple:
         """The kind of a call: the block's stack and fingerprint, the inputs' structure, each tensor's shape,
-        stride, dtype and device, each KV cache's length at this block's layer, the other arguments' values (or
-        types), and the tracker's state (backward, recomputation, optimizer: they file tensors differently)."""
+        stride, dtype, device and gradient flag, each KV cache's length at this block's layer, the other arguments'
+        values (or types), autograd and checkpointing on or off, the tracker's recomputation flag, and whether the
+        tracker has seen the block's modules (the first call files FSDP2's all-gathered parameters as parameters)."""
         layer = _layer_index(block)
+        seen = all(m in self.tracker.memory_tracking for m in block.modules() if m is not block)
+        stack, fingerprint, last = self.blocks[block]
         parts: list[Any] = [
-            self.blocks[block],
+            stack,
+            fingerprint,
+            last and torch.is_grad_enabled(),
             str(spec),
             torch.is_grad_enabled(),
             _checkpointing(),
             self.tracker._in_ac,
+            seen,
         ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
@@ -318,16 +344,27 @@ class BlockStandIns:
                 parts.append(type(leaf).__qualname__)
         return tuple(parts)
 
+    @contextmanager
+    def _real(self) -> Iterator[None]:
+        """A block's own forward runs: blocks called inside it are its parts, traced with it."""
+        self._inside += 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+
     def _call(self, block: torch.nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled() and self.tracker._mod_tracker.is_bw:
-            return forward(*args, **kwargs)  # a checkpointed block's recomputation: part of its traced backward
+        if self._inside or (torch.is_grad_enabled() and self.tracker._mod_tracker.is_bw):
+            # Inside another block's traced call, or a checkpointed block's recomputation (part of its traced backward).
+            return forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(block, leaves, spec)
         if key not in self.templates:
-            return self._trace(block, forward, key, leaves, spec)
+            return self._trace(block, forward, key, leaves, spec, args, kwargs)
         template = self.templates[key]
         if template is None or (self.check and template.backward is not None):
-            return forward(*args, **kwargs)
+            with self._real():
+                return forward(*args, **kwargs)
         if self.check:
             rise, held, out = self._measure(block, forward, args, kwargs)[:3]
             if (rise, held) != (template.rise, template.held):
@@ -366,20 +403,28 @@ class BlockStandIns:
         """Trace one call: its rise over its start, what it left held, its output and its cache updates."""
         tracker = self.tracker
         before = tracker.get_tracker_snapshot("current")
-        saved = tracker.open_window()
+        window = tracker.open_window()
         try:
-            with self._cache_updates(_layer_index(block)) as updates:
+            with self._cache_updates(_layer_index(block)) as updates, self._real():
                 out = forward(*args, **kwargs)
         finally:
-            peak = tracker.close_window(saved)
+            peak = tracker.close_window(window)
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
         return snapshot_diff(peak, before), held, out, updates
 
-    def _trace(self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], spec: Any) -> Any:
-        args, kwargs = tree_unflatten(leaves, spec)
-        # The references to each input from outside Python (a tensor saved for backward holds one) before the call.
+    def _trace(
+        self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], spec: Any, args: Any, kwargs: Any
+    ) -> Any:
+        # The call runs on its own arguments (a list it writes into is the caller's). Each input's references from
+        # outside Python (a tensor saved for backward holds one) before the call:
         uses = [leaf._use_count() if isinstance(leaf, torch.Tensor) else 0 for leaf in leaves]
         rise, held, out, updates = self._measure(block, forward, args, kwargs)
+        after, after_spec = tree_flatten((args, kwargs))
+        if str(after_spec) != str(spec) or any(a is not b for a, b in zip(after, leaves, strict=True)):
+            # The call wrote into a container it was given (the Wan VAE's causal-convolution cache, its index):
+            # a stand-in would not, so this kind is traced every time.
+            self.templates[key] = None
+            return out
         if not torch.is_grad_enabled():
             self.templates[key] = self._template(rise, held, out, leaves, updates, None)
             return out
@@ -401,6 +446,7 @@ class BlockStandIns:
                     if isinstance(leaf, torch.Tensor) and (saving or leaf._use_count() > before)
                 ]
                 register_multi_grad_hook(graded, lambda grad: window.open(), mode="any")
+                register_multi_grad_hook(graded, window.received, mode="all")
                 register_multi_grad_hook(needs, window.close, mode="all")
         self.templates[key] = template
         return out

@@ -216,7 +216,7 @@ def plan_step(
     ``budget`` bytes per device; returns the :class:`Plan`. ``real`` runs the same code on the experts
     loaded with their weights and real tensors (small folders only): the check of the fake trace. Without
     ``search`` only the recipe's own setting is traced (whether it fits, in a fraction of the time). A fake trace
-    stands in for the repeated calls of identical blocks in forwards without autograd
+    stands in for the repeated calls of identical blocks
     (:mod:`unirl_pl.plan.blocks`) unless ``every_block``."""
     start = time.monotonic()
     mode = None if real else FakeTensorMode()
@@ -290,7 +290,7 @@ def plan_step(
     result.stood_in = tracer.stood_in
     if tracer.stood_in:
         result.notes.append(
-            f"{tracer.stood_in} calls of repeated blocks without autograd stood in for by their first copy's trace: "
+            f"{tracer.stood_in} calls of repeated blocks stood in for by their first copy's trace: "
             "the same peak (--trace-every-block traces each)"
         )
     result.seconds = time.monotonic() - start

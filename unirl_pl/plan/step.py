@@ -113,7 +113,7 @@ class Tracer:
         optimizers: The trained experts' optimizers (their state is resident).
         losses: Each optimizer's expert loss settings (its gradient clip).
         log: Progress messages (one line per trace).
-        stand_ins: Stand in for the repeated calls of identical blocks in forwards without autograd
+        stand_ins: Stand in for the repeated calls of identical blocks
             (:mod:`unirl_pl.plan.blocks`: the same peak in a fraction of the time); off traces every block.
     """
 

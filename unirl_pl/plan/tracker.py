@@ -140,6 +140,8 @@ class PlanMemTracker(MemTracker):
         self.trainable_param_bytes = trainable_param_bytes
         self.marks: dict[str, Usage] = {}
         self.mark_count = 0
+        self._windows: dict[int, Snapshot] = {}
+        self._window_count = 0
 
     # ------------------------------------------------------------------ MemTracker overrides
 
@@ -166,6 +168,9 @@ class PlanMemTracker(MemTracker):
             if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
                 self._peak_mem[device] = snapshot[_TOTAL_KEY]
                 self._peak_mem_snap[device] = deepcopy(snapshot)
+            for window in self._windows.values():
+                if window.get(device, {}).get(_TOTAL_KEY, 0) < snapshot[_TOTAL_KEY]:
+                    window[device] = dict(snapshot)
 
     def _pre_fw_hook(self, module: torch.nn.Module, inputs: Any) -> None:
         # ``MemTracker._pre_fw_hook`` less its per-module snapshots and input bytes: a module seen first has its
@@ -234,24 +239,29 @@ class PlanMemTracker(MemTracker):
 
     # ------------------------------------------------------------------ windows (the block stand-ins)
 
-    def open_window(self) -> tuple[dict[Any, int], Snapshot]:
-        """Start a peak from now (to read one call's own rise); returns the peak so far for
-        :meth:`close_window`."""
-        saved = (self._peak_mem, self._peak_mem_snap)
-        current = self.get_tracker_snapshot("current")
-        self._peak_mem = {device: snapshot[_TOTAL_KEY] for device, snapshot in current.items()}
-        self._peak_mem_snap = current
-        return saved
+    def open_window(self) -> int:
+        """Start keeping the peak of an interval from now (one call's own rise), apart from the tracker's peak and
+        from other windows (two may overlap: a block's backward ends as the next one's begins); returns its token
+        for :meth:`close_window`."""
+        self._window_count += 1
+        self._windows[self._window_count] = self.get_tracker_snapshot("current")
+        return self._window_count
 
-    def close_window(self, saved: tuple[dict[Any, int], Snapshot]) -> Snapshot:
-        """End a window: returns its peak snapshot and keeps, per device, the higher of it and the ``saved`` peak."""
-        window = deepcopy(self._peak_mem_snap)
-        peak_mem, peak_snap = saved
-        for device, total in peak_mem.items():
-            if total >= self._peak_mem.get(device, 0):
+    def close_window(self, token: int) -> Snapshot:
+        """End a window: its peak snapshot per device."""
+        return self._windows.pop(token)
+
+    def raise_peak(self, snapshot: Snapshot, windows: bool = True) -> None:
+        """Take ``snapshot`` as the peak of each device where its total is higher (a stood-in call's peak), and as the
+        peak of each open window unless ``windows`` is off (a moment from before they opened)."""
+        for device, keys in snapshot.items():
+            total = keys.get(_TOTAL_KEY, 0)
+            if self._peak_mem.get(device, 0) < total:
                 self._peak_mem[device] = total
-                self._peak_mem_snap[device] = peak_snap[device]
-        return window
+                self._peak_mem_snap[device] = dict(keys)
+            for window in self._windows.values() if windows else ():
+                if window.get(device, {}).get(_TOTAL_KEY, 0) < total:
+                    window[device] = dict(keys)
 
     def enter_modules(self, modules: Iterator[torch.nn.Module] | list[torch.nn.Module]) -> None:
         """File the parameters of ``modules`` as :meth:`_pre_fw_hook` does for a module seen first (a stood-in block's
@@ -260,13 +270,6 @@ class PlanMemTracker(MemTracker):
             if module not in self.memory_tracking:
                 self._track_module_params_and_buffers(module, install_grad_hooks=True)
                 self.memory_tracking[module] = _ModMemStats(self._mod_tracker.get_known_fqn(module) or "")
-
-    def raise_peak(self, snapshot: Snapshot) -> None:
-        """Take ``snapshot`` as the peak of each device where its total is higher (a stood-in call's peak)."""
-        for device, keys in snapshot.items():
-            if self._peak_mem.get(device, 0) < keys.get(_TOTAL_KEY, 0):
-                self._peak_mem[device] = keys[_TOTAL_KEY]
-                self._peak_mem_snap[device] = dict(keys)
 
     # ------------------------------------------------------------------ what the plan reads
 
