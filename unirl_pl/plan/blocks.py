@@ -26,10 +26,11 @@ naming the block (``--trace-every-block`` traces without stand-ins) rather than 
 stand-in whose backward ran without its template's.
 
 The stand-in replaces the block's ``forward``, not its call: FSDP2's hooks on the block (the all-gather before it,
-the reshard after, their backward counterparts) and checkpointing around it run as in the trace. Never stood in:
-blocks with hooks of their own below them (an FSDP unit inside a block), a checkpointed block's recomputation
-(part of its template's backward), and kinds of call whose template leaves held anything but its outputs, cache
-entries and saved activations, or (with autograd) returns an input, or has no input or output with a gradient.
+the reshard after) and checkpointing around it run as in the trace. Never stood in: an FSDP2 unit's calls with
+autograd (its backward all-gathers, prefetches and reduce-scatters in an order a stand-in does not reproduce),
+blocks with hooks of their own below them (an FSDP unit inside a block), a checkpointed block's recomputation (part
+of its template's backward), and kinds of call whose template leaves held anything but its outputs, cache entries
+and saved activations, or (with autograd) returns an input, or has no input or output with a gradient.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+from torch.distributed.fsdp import FSDPModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
@@ -357,6 +359,12 @@ class BlockStandIns:
         if self._inside or (torch.is_grad_enabled() and self.tracker._mod_tracker.is_bw):
             # Inside another block's traced call, or a checkpointed block's recomputation (part of its traced backward).
             return forward(*args, **kwargs)
+        if torch.is_grad_enabled() and isinstance(block, FSDPModule):
+            # An FSDP2 unit's backward all-gathers, prefetches and reduce-scatters around its recomputation; a
+            # stand-in's backward does not reproduce that order, so an FSDP unit trains traced (its forwards without
+            # autograd stand in).
+            with self._real():
+                return forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(block, leaves, spec)
         if key not in self.templates:
