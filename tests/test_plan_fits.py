@@ -228,9 +228,11 @@ def test_recipe_fits_the_gpu_it_names(name):
         assert [t.name for t in on_device] == ["pickscore"]
 
 
-STAND_IN_CHECK = "promptrl_klein"
-"""The recipe whose plan is also traced block by block: FSDP2 over 6 ranks (the stand-ins run inside FSDP's hooks),
-full fine-tuning, a VLM refiner's decode with its KV cache, the Qwen3 text encoder and the DiT's rollout."""
+STAND_IN_CHECK = "flux"
+"""The recipe whose plan is also traced block by block: FLUX.1's 19 double-stream and 38 single-stream blocks trained
+with LoRA under gradient checkpointing (stand-ins in forward and backward, two stacks back to back), its T5 and CLIP
+text encoders, and the refiner's decode with its KV cache and its LoRA loss. FSDP2 is checked on tiny models
+(``tests/test_plan_blocks.py``) and on every recipe by ``scripts/plan_stand_ins.py``."""
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ tracker) and every later one stands in:
 - its KV-cache entries go through the cache's own ``update`` at this block's layer, at the template's shapes;
 - its outputs are allocated at the template's shapes, strides and storages (an output that views an input
   views this call's input), and its parameters are filed as the tracker files a module it enters first;
-- with autograd on, it is one node of the graph (``_StandInFunction``) that holds what the template left held
+- with autograd on, it is one node of the graph (``StandInFunction``) that holds what the template left held
   beyond its outputs (the activations it saved, as one buffer) and the inputs the template kept alive (saved,
   or held by checkpointing) until its backward, which raises the peak by the template's backward rise, frees
   them, and gives the inputs and the trainable parameters their gradients (FSDP2 then reduces those as a
@@ -36,7 +36,7 @@ and saved activations, or (with autograd) returns an input, or has no input or o
 from __future__ import annotations
 
 import functools
-from collections import Counter
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -49,10 +49,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
+from unirl_pl.plan.stacks import (
+    TensorLike,
+    cache_class,
+    checkpointing,
+    layer_index,
+    repeated_blocks,
+)
+from unirl_pl.plan.standin_autograd import BackwardWindow, StandInCall, StandInFunction
 from unirl_pl.plan.tracker import PlanMemTracker, Snapshot, snapshot_add, snapshot_diff
-
-MIN_STACK = 3
-"""The fewest copies of a block in one ``ModuleList`` for its calls to be stood in."""
 
 
 @dataclass(frozen=True)
@@ -70,24 +75,6 @@ class _Out:
     same: bool = False
 
 
-@dataclass(frozen=True)
-class _Like:
-    """A tensor's shape, dtype and device, to make one like it without holding it."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _Like:
-        """The description of ``tensor``."""
-        return cls(tuple(tensor.shape), tensor.dtype, tensor.device)
-
-    def make(self) -> torch.Tensor:
-        """An uninitialised tensor of this description."""
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
-
-
 @dataclass
 class _Template:
     """What the traced call of one kind left: its rise over its start, its held bytes, its outputs' layout and the
@@ -102,177 +89,8 @@ class _Template:
         default_factory=list
     )
     saved: int = 0
-    backward: _Backward | None = None
+    backward: BackwardWindow | None = None
     kept: list[int] = field(default_factory=list)
-
-
-class _Backward:
-    """A traced call's backward, measured between gradient hooks: on its outputs (the first gradient made: the
-    window opens) and on its inputs that need gradients (every one made: it closes). Its rise over its start is
-    known only then, and the backward of a later call (a stand-in) runs before it; so a stand-in's backward leaves
-    the bytes held at its start in ``pending``, and the peak is raised by the rise when the window closes (a peak
-    is a maximum: the order does not matter within one trace)."""
-
-    def __init__(self, tracker: PlanMemTracker) -> None:
-        self.tracker = tracker
-        self.rise: Snapshot | None = None
-        self.incoming: list[tuple | None] | None = None
-        self.gave: list[bool] | None = None
-        self.pending: list[tuple[Snapshot, int, list[tuple | None], int]] = []
-        self._window: int | None = None
-        self._start: Snapshot = {}
-
-    def open(self) -> None:
-        """The traced call's backward begins (a gradient of its outputs is made)."""
-        self._start = self.tracker.get_tracker_snapshot("current")
-        self._window = self.tracker.open_window()
-
-    def received(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """The traced call's outputs' gradients, all made: their shapes and dtypes, for the stand-ins to match."""
-        self.incoming = _grad_kinds(grads)
-
-    def close(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """The traced call's backward ends with ``grads`` for its inputs: raise the peak for the stand-ins that
-        waited, and check them against it."""
-        if self._window is None:
-            return
-        peak = self.tracker.close_window(self._window)
-        self._window = None
-        self.rise = snapshot_diff(peak, self._start)
-        self.gave = [g is not None for g in grads]
-        for held, marks, incoming, inputs in self.pending:
-            self._check(held, marks, incoming, inputs, waited=True)
-        self.pending.clear()
-
-    def stand_in(self, held: Snapshot, grads: Sequence[torch.Tensor | None], inputs: int) -> None:
-        """A stand-in's backward starts with ``held`` and ``grads`` for its outputs, and gives ``inputs`` gradients."""
-        if self.rise is None:
-            self.pending.append((held, self.tracker.mark_count, _grad_kinds(grads), inputs))
-        else:
-            self._check(held, self.tracker.mark_count, _grad_kinds(grads), inputs, waited=False)
-
-    def _check(self, held: Snapshot, marks: int, incoming: list, inputs: int, waited: bool) -> None:
-        if marks != self.tracker.mark_count or incoming != self.incoming or [True] * inputs != self.gave:
-            raise RuntimeError(
-                "plan: a stood-in block's backward does not match its traced copy's (a phase mark between them, "
-                f"gradients of other shapes or dtypes, {incoming} against {self.incoming}, or for other inputs, "
-                f"{self.gave}); rerun with --trace-every-block"
-            )
-        assert self.rise is not None
-        # A waiting stand-in's moment was before any window now open: it raises the tracker's peak only.
-        self.tracker.raise_peak(snapshot_add(held, self.rise), windows=not waited)
-
-
-def _grad_kinds(grads: Sequence[torch.Tensor | None]) -> list[tuple | None]:
-    """Each gradient's shape and dtype (None where there is none)."""
-    return [None if g is None else (tuple(g.shape), g.dtype) for g in grads]
-
-
-class _StandInCall:
-    """One stood-in call with autograd on: makes its outputs and saved bytes in forward, and in backward frees the
-    saved bytes and makes its inputs' and parameters' gradients (shapes only: holding tensors would keep them)."""
-
-    def __init__(
-        self, make: Any, saved: int, device: Any, window: _Backward, inputs: list, params: list, kept: list
-    ) -> None:
-        self.make, self.window = make, window
-        self.saved_bytes, self.device = saved, device
-        self.inputs = [_Like.of(t) for t in inputs]
-        self.params = [_Like.of(p) for p in params]
-        self.saved: torch.Tensor | None = None
-        # The inputs its traced copy kept alive until its backward (saved, or held by checkpointing).
-        self.kept: list[torch.Tensor] | None = kept
-
-    def forward(self) -> tuple[torch.Tensor, ...]:
-        if self.saved_bytes:
-            self.saved = torch.empty(self.saved_bytes, dtype=torch.uint8, device=self.device)
-        make, self.make = self.make, None  # it holds the call's inputs, which the backward node must not keep
-        return make()
-
-    def backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """Raise the peak by the traced copy's backward rise, free the saved bytes and inputs, and give the inputs and
-        parameters their gradients."""
-        self.window.stand_in(self.window.tracker.get_tracker_snapshot("current"), grads, len(self.inputs))
-        self.saved = self.kept = None  # the block's saved activations and inputs, all freed by its backward's end
-        return [like.make() for like in self.inputs] + [like.make() for like in self.params]
-
-
-class _StandInFunction(torch.autograd.Function):
-    """A stood-in call in the autograd graph: its inputs that need gradients and the block's trainable parameters
-    in, its tensor outputs out."""
-
-    @staticmethod
-    def forward(ctx: Any, call: _StandInCall, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.set_materialize_grads(False)
-        ctx.call = call
-        outs = call.forward()
-        ctx.mark_non_differentiable(*(o for o in outs if not (o.is_floating_point() or o.is_complex())))
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        return (None, *ctx.call.backward(grads))
-
-
-def _cache_class() -> type | None:
-    try:
-        from transformers.cache_utils import Cache
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return None
-    return Cache
-
-
-def _checkpointing() -> bool:
-    """Whether saved-tensor hooks are on (activation checkpointing packs what a block saves)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _layer_index(block: torch.nn.Module) -> int | None:
-    """The KV-cache layer a block writes (a transformers decoder layer's attention holds ``layer_idx``)."""
-    for module in block.modules():
-        index = getattr(module, "layer_idx", None)
-        if isinstance(index, int):
-            return index
-    return None
-
-
-def _fingerprint(block: torch.nn.Module) -> tuple:
-    """A block's class and the names, shapes, dtypes and trainability of its parameters and buffers."""
-    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in block.named_parameters())
-    buffers = tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers())
-    return type(block).__qualname__, params, buffers
-
-
-def _has_inner_hooks(block: torch.nn.Module) -> bool:
-    """Whether a module below ``block`` has hooks of its own (an FSDP unit inside it): skipping its call would
-    skip them."""
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
-        for m in block.modules()
-        if m is not block
-    )
-
-
-def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, tuple[int, tuple, bool]]:
-    """The blocks under ``roots`` that have at least :data:`MIN_STACK` copies in their ``ModuleList`` (a list of
-    different layers, such as a feed-forward's activation, dropout and projection, is not a stack), each with its
-    stack's id, its fingerprint (copies share both) and whether it is the stack's last copy."""
-    found: dict[torch.nn.Module, tuple[int, tuple, bool]] = {}
-    seen: set[int] = set()
-    for root in roots:
-        for module in root.modules():
-            if id(module) in seen or not isinstance(module, torch.nn.ModuleList) or len(module) < MIN_STACK:
-                continue
-            seen.add(id(module))
-            prints = {block: _fingerprint(block) for block in module}
-            counts = Counter(prints.values())
-            last = {fingerprint: block for block, fingerprint in prints.items()}
-            for block, fingerprint in prints.items():
-                if counts[fingerprint] >= MIN_STACK and block not in found and not _has_inner_hooks(block):
-                    # With autograd the last copy is a kind of its own: the first to backpropagate, it takes the
-                    # gradients of whatever follows the stack (a final norm's, in another dtype), not a copy's.
-                    found[block] = (id(module), fingerprint, last[fingerprint] is block)
-    return found
 
 
 class BlockStandIns:
@@ -292,8 +110,10 @@ class BlockStandIns:
         self.templates: dict[tuple, _Template | None] = {}
         self.stood_in = 0
         self._saved: dict[torch.nn.Module, Any] = {}
-        self._cache = _cache_class()
+        self._cache = cache_class()
         self._inside = 0
+        self._first: dict[tuple, torch.nn.Module] = {}  # the first block of each stack called with autograd
+        self._passes: dict[tuple, int] = {}  # the passes with autograd through each stack so far
 
     def __enter__(self) -> BlockStandIns:
         for block in self.blocks:
@@ -322,16 +142,22 @@ class BlockStandIns:
         stride, dtype, device and gradient flag, each KV cache's length at this block's layer, the other arguments'
         values (or types), autograd and checkpointing on or off, the tracker's recomputation flag, and whether the
         tracker has seen the block's modules (the first call files FSDP2's all-gathered parameters as parameters)."""
-        layer = _layer_index(block)
+        layer = layer_index(block)
         seen = all(m in self.tracker.memory_tracking for m in block.modules() if m is not block)
         stack, fingerprint, last = self.blocks[block]
+        grad = torch.is_grad_enabled()
+        if grad and self._first.setdefault((stack, fingerprint), block) is block:
+            self._passes[stack, fingerprint] = self._passes.get((stack, fingerprint), 0) + 1
         parts: list[Any] = [
             stack,
             fingerprint,
-            last and torch.is_grad_enabled(),
+            last and grad,
+            # With autograd, each pass through the stack (a guided step's conditional and unconditional forwards)
+            # has its own traced copy: a stand-in's backward rise is its own pass's.
+            self._passes.get((stack, fingerprint)) if grad else None,
             str(spec),
             torch.is_grad_enabled(),
-            _checkpointing(),
+            checkpointing(),
             self.tracker._in_ac,
             seen,
         ]
@@ -367,13 +193,16 @@ class BlockStandIns:
                 return forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(block, leaves, spec)
-        if key not in self.templates:
-            return self._trace(block, forward, key, leaves, spec, args, kwargs)
-        template = self.templates[key]
-        if template is None or (self.check and template.backward is not None):
-            with self._real():
-                return forward(*args, **kwargs)
-        if self.check:
+        template = self.templates.get(key)
+        if key not in self.templates or template is None or self.check:
+            # A traced call: no reference to its inputs here (one it drops, such as a cache entry it replaces, is
+            # freed in the trace as in a fit).
+            del leaves
+            if key not in self.templates:
+                return self._trace(block, forward, key, spec, args, kwargs)
+            if template is None or template.backward is not None:
+                with self._real():
+                    return forward(*args, **kwargs)
             rise, held, out = self._measure(block, forward, args, kwargs)[:3]
             if (rise, held) != (template.rise, template.held):
                 self.mismatches.append((type(block).__qualname__, rise, template.rise, held, template.held))
@@ -395,7 +224,7 @@ class BlockStandIns:
             else:
                 # Tensors among the cache's keyword arguments (position ids, rotary cos/sin) are kept as their
                 # shapes: holding the template's own would keep them alive.
-                kept = tree_map_only(torch.Tensor, _Like.of, dict(kw))
+                kept = tree_map_only(torch.Tensor, TensorLike.of, dict(kw))
                 recorded.append((key.shape, key.dtype, value.shape, value.dtype, key.device, kept))
             return real(cache, key, value, layer_idx, *args, **kw)
 
@@ -413,22 +242,24 @@ class BlockStandIns:
         before = tracker.get_tracker_snapshot("current")
         window = tracker.open_window()
         try:
-            with self._cache_updates(_layer_index(block)) as updates, self._real():
+            with self._cache_updates(layer_index(block)) as updates, self._real():
                 out = forward(*args, **kwargs)
         finally:
             peak = tracker.close_window(window)
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
         return snapshot_diff(peak, before), held, out, updates
 
-    def _trace(
-        self, block: torch.nn.Module, forward: Any, key: tuple, leaves: list[Any], spec: Any, args: Any, kwargs: Any
-    ) -> Any:
-        # The call runs on its own arguments (a list it writes into is the caller's). Each input's references from
-        # outside Python (a tensor saved for backward holds one) before the call:
-        uses = [leaf._use_count() if isinstance(leaf, torch.Tensor) else 0 for leaf in leaves]
+    def _trace(self, block: torch.nn.Module, forward: Any, key: tuple, spec: Any, args: Any, kwargs: Any) -> Any:
+        # The call runs on its own arguments (a list it writes into is the caller's), its inputs only weakly referenced
+        # here. Each input's references from outside Python (a tensor saved for backward holds one) before the call:
+        before, _ = tree_flatten((args, kwargs))
+        uses = [leaf._use_count() if isinstance(leaf, torch.Tensor) else 0 for leaf in before]
+        refs = [weakref.ref(leaf) if isinstance(leaf, torch.Tensor) else leaf for leaf in before]
+        del before
         rise, held, out, updates = self._measure(block, forward, args, kwargs)
-        after, after_spec = tree_flatten((args, kwargs))
-        if str(after_spec) != str(spec) or any(a is not b for a, b in zip(after, leaves, strict=True)):
+        leaves, after_spec = tree_flatten((args, kwargs))
+        same = [ref() if isinstance(ref, weakref.ref) else ref for ref in refs]
+        if str(after_spec) != str(spec) or any(a is not b for a, b in zip(leaves, same, strict=True)):
             # The call wrote into a container it was given (the Wan VAE's causal-convolution cache, its index):
             # a stand-in would not, so this kind is traced every time.
             self.templates[key] = None
@@ -436,18 +267,19 @@ class BlockStandIns:
         if not torch.is_grad_enabled():
             self.templates[key] = self._template(rise, held, out, leaves, updates, None)
             return out
-        # With autograd: gradient hooks on the outputs (any: the backward begins) and on the inputs that need
-        # gradients (all: it ends) bound the call's backward (see ``_Backward``); without both, it is traced only.
+        # With autograd: gradient hooks on the outputs (the first made: the backward begins) and on the inputs that
+        # need gradients (all made: it ends) bound the call's backward (see ``BackwardWindow``); without both, it is
+        # traced only.
         needs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
         graded = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         template = None
         if needs and graded:
-            window = _Backward(self.tracker)
+            window = BackwardWindow(self.tracker)
             template = self._template(rise, held, out, leaves, updates, window)
             if template is not None:
                 # The inputs the call keeps for its backward: those it saved, or under checkpointing (which keeps a
                 # block's arguments to recompute it) every one.
-                saving = _checkpointing()
+                saving = checkpointing()
                 template.kept = [
                     i
                     for i, (leaf, before) in enumerate(zip(leaves, uses, strict=True))
@@ -460,7 +292,7 @@ class BlockStandIns:
         return out
 
     def _template(
-        self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list, window: _Backward | None
+        self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list, window: BackwardWindow | None
     ) -> _Template | None:
         """The template of a traced call, or None when its kind cannot stand in: what it left held is not its
         outputs and cache entries (and, with autograd, the tensors saved for its backward), an output storage holds
@@ -514,11 +346,11 @@ class BlockStandIns:
         tracker.enter_modules(m for m in block.modules() if m is not block)
         if template.updates:
             cache = next(leaf for leaf in leaves if isinstance(leaf, self._cache))  # type: ignore[arg-type]
-            layer = _layer_index(block)
+            layer = layer_index(block)
             for k_shape, k_dtype, v_shape, v_dtype, device, kw in template.updates:
                 key = torch.empty(k_shape, dtype=k_dtype, device=device)
                 value = torch.empty(v_shape, dtype=v_dtype, device=device)
-                cache.update(key, value, layer, **tree_map_only(_Like, _Like.make, kw))
+                cache.update(key, value, layer, **tree_map_only(TensorLike, TensorLike.make, kw))
                 del key, value
         if template.backward is None:
             result = tree_unflatten(_outputs(template, leaves), template.spec)
@@ -531,8 +363,8 @@ class BlockStandIns:
 
             device = next(iter(template.held))
             kept = [leaves[i] for i in template.kept]
-            call = _StandInCall(make, template.saved, device, template.backward, needs, params, kept)
-            made = iter(_StandInFunction.apply(call, *needs, *params))
+            call = StandInCall(make, template.saved, device, template.backward, needs, params, kept)
+            made = iter(StandInFunction.apply(call, *needs, *params))
             outs = [next(made) if isinstance(out, _Out) else out for out in template.outputs]
             result = tree_unflatten(outs, template.spec)
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)

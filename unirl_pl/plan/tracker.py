@@ -240,9 +240,8 @@ class PlanMemTracker(MemTracker):
     # ------------------------------------------------------------------ windows (the block stand-ins)
 
     def open_window(self) -> int:
-        """Start keeping the peak of an interval from now (one call's own rise), apart from the tracker's peak and
-        from other windows (two may overlap: a block's backward ends as the next one's begins); returns its token
-        for :meth:`close_window`."""
+        """Keep the peak of an interval from now (one call's own rise), apart from the tracker's peak and other
+        windows (two overlap where a block's backward ends as the next begins); returns the token to close it."""
         self._window_count += 1
         self._windows[self._window_count] = self.get_tracker_snapshot("current")
         return self._window_count
