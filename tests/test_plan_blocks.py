@@ -320,15 +320,16 @@ def test_dropping_any_part_of_a_training_stand_in_is_caught(drop, monkeypatch):
     backward (the part-frozen stack's peak is in the last block's backward, which waits for the traced block 0's
     backward to learn it when that block stands in): without either, the peak is lower than tracing every block."""
     from unirl_pl.plan import blocks as module
+    from unirl_pl.plan import standin_autograd
 
     full_peak, _, _, _ = train(False, True, stand_ins=False)
     if drop == "saved activations":
-        real = module._StandInCall.__init__
+        real = standin_autograd.StandInCall.__init__
 
         def no_saved(self, make, saved, *rest):
             real(self, make, 0, *rest)
 
-        monkeypatch.setattr(module._StandInCall, "__init__", no_saved)
+        monkeypatch.setattr(standin_autograd.StandInCall, "__init__", no_saved)
         with pytest.raises(RuntimeError, match="stand-in for a call of Residual left"):
             train(False, True, stand_ins=True)
         return
@@ -351,7 +352,7 @@ def test_dropping_any_part_of_a_training_stand_in_is_caught(drop, monkeypatch):
             module, "repeated_blocks", lambda roots: {b: (*v[:2], False) for b, v in real_blocks(roots).items()}
         )
         assert train(False, True, stand_ins=True)[0] == full_peak
-        monkeypatch.setattr(module._Backward, "_check", lambda self, *args, **kwargs: None)
+        monkeypatch.setattr(standin_autograd.BackwardWindow, "_check", lambda self, *args, **kwargs: None)
     peak, _, blocks, _ = train(False, True, stand_ins=True)
     assert blocks.stood_in == (4 if drop == "backward rise" else 3)
     assert peak.total < full_peak.total
