@@ -140,8 +140,9 @@ class BlockStandIns:
     def _key(self, block: torch.nn.Module, leaves: list[Any], spec: Any) -> tuple:
         """The kind of a call: the block's stack and fingerprint, the inputs' structure, each tensor's shape,
         stride, dtype, device and gradient flag, each KV cache's length at this block's layer, the other arguments'
-        values (or types), autograd and checkpointing on or off, the tracker's recomputation flag, and whether the
-        tracker has seen the block's modules (the first call files FSDP2's all-gathered parameters as parameters)."""
+        values (or types), autograd and checkpointing on or off, the tracker's recomputation flag, whether the
+        tracker has seen the block's modules (the first call files FSDP2's all-gathered parameters as parameters),
+        and with autograd the pass through the stack and whether the block is its last copy."""
         layer = layer_index(block)
         seen = all(m in self.tracker.memory_tracking for m in block.modules() if m is not block)
         stack, fingerprint, last = self.blocks[block]
