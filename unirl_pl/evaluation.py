@@ -17,6 +17,7 @@ from unirl_pl.conditioning import Conditioner
 from unirl_pl.data import PromptBatch
 from unirl_pl.loops import ARDecode, DiffusionDenoise
 from unirl_pl.rewards import WeightedSum
+from unirl_pl.rewards.metadata import accepts_metadata
 
 
 def serve(
@@ -76,6 +77,10 @@ def validation_scores(
     over the batch's samples, and each key a term's ``breakdown`` reports (the ShapesWorld verifier's per
     GenEval category) with its own count; ``total`` is the per-sample reward. A batch that is all padding
     has no scores.
+
+    A ``breakdown`` that declares a ``metadata`` keyword gets the batch's metadata, which validation binds to
+    ``reward`` (a ``WithMetadata``): a score that depends on the prompt row, not the prompt text (the
+    ShapesWorld-Edit verifier's placements), cannot be broken down without it. Others get ``(prompts, images)``.
     """
     if not prompts:
         return {}, torch.zeros(0)
@@ -83,10 +88,14 @@ def validation_scores(
     n = len(prompts)
     scores: dict[str, tuple[Tensor | float, int]] = {"reward_mean": (total.nanmean(), n)}
     scores |= {f"reward_{name}": (values.nanmean(), n) for name, values in parts.items()}
+    metadata = getattr(reward, "metadata", None)
     for name, term in reward.terms.items():
         report: Any = getattr(term, "breakdown", None)
         if report is not None:
-            scores |= {f"{name}/{key}": (mean, count) for key, (mean, count) in report(prompts, images).items()}
+            # Only when there is some, as WeightedSum.score_term does: the breakdown's own default then applies.
+            extra = {"metadata": metadata} if metadata is not None and accepts_metadata(report) else {}
+            found = report(prompts, images, **extra)
+            scores |= {f"{name}/{key}": (mean, count) for key, (mean, count) in found.items()}
     return scores, total
 
 

@@ -56,12 +56,16 @@ def read_train_cpu(path: Path) -> list[tuple[int, float]]:
 
 
 def metric_order(keys: set[str] | list[str]) -> list[str]:
-    """``<term>/<score>/<category>`` keys: by term, then overall first and the ShapesWorld category order."""
+    """``<term>/<score>/<category>`` keys: by term, then overall first and the ShapesWorld category order
+    (a ``shapes_edit`` term's categories are edit kinds: overall first, then ``EDIT_KINDS``' order); any other
+    category after those, by name."""
     try:
+        from unirl_pl.shapes.edits import EDIT_KINDS
         from unirl_pl.shapes.scenes import CATEGORIES
     except ImportError:  # pragma: no cover - the package always has it
-        CATEGORIES = ()
-    rank = {name: i for i, name in enumerate(("overall", *CATEGORIES))}
+        CATEGORIES, EDIT_KINDS = (), ()
+    # One rank for both vocabularies: they share no name, and each term reports only its own.
+    rank = {name: i for i, name in enumerate(("overall", *CATEGORIES, *EDIT_KINDS))}
 
     def key(metric: str) -> tuple[Any, ...]:
         term, score, category = metric.split("/")

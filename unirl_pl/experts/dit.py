@@ -151,27 +151,44 @@ class FlowTransformerExpert(LoRAExpert):
         return (config["in_channels"], config["sample_size"], config["sample_size"])
 
     def velocity(
-        self, latents: torch.Tensor, sigma: torch.Tensor | float, hidden: torch.Tensor, pooled: torch.Tensor
+        self,
+        latents: torch.Tensor,
+        sigma: torch.Tensor | float,
+        hidden: torch.Tensor,
+        pooled: torch.Tensor,
+        source: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict the flow velocity for ``latents`` (B, C, H, W) at noise level ``sigma`` (B,) or a
         scalar, given text hidden states ``hidden`` (B, L, D) and pooled text ``pooled`` (B, P).
+
+        With ``source`` (B, C, H, W), the clean latents of an image to edit, the model reads it in context:
+        the source is placed beside the noisy target (concatenated along the width), so its tokens join the
+        target's in every attention and are told apart by their positional embeddings, and the prediction
+        of the target's half is returned. The model's ``pos_embed_max_size`` must cover twice the width.
 
         Diffusers flow transformers take the timestep as ``sigma * 1000``. Inputs are cast to the
         model dtype; the result comes back in the dtype of ``latents``.
         """
         model = self._require_built()
         dtype = model.dtype
-        batch = latents.shape[0]
+        batch, width = latents.shape[0], latents.shape[-1]
         sigma = torch.as_tensor(sigma, device=latents.device, dtype=torch.float32)
         timestep = (sigma * 1000.0).reshape(-1).expand(batch)
+        inputs = latents
+        if source is not None:
+            if source.shape != latents.shape:
+                raise ValueError(
+                    f"source latents {tuple(source.shape)} must have the shape of the target {tuple(latents.shape)}"
+                )
+            inputs = torch.cat([latents, source.to(latents.dtype)], dim=-1)
         (velocity,) = model(
-            hidden_states=latents.to(dtype),
+            hidden_states=inputs.to(dtype),
             encoder_hidden_states=hidden.to(dtype),
             pooled_projections=pooled.to(dtype),
             timestep=timestep,
             return_dict=False,
         )
-        return velocity.to(latents.dtype)
+        return velocity[..., :width].to(latents.dtype)
 
     def save_adapter(self, path: str) -> None:
         """Save the LoRA adapter in the diffusers SD3 LoRA format.

@@ -16,6 +16,7 @@ from unirl_pl.generators.flux import FluxGenerator
 from unirl_pl.generators.flux2 import Flux2KleinGenerator
 from unirl_pl.generators.flux_kontext import FluxKontextGenerator
 from unirl_pl.generators.folder import read_model_index
+from unirl_pl.generators.in_context import InContextEditGenerator
 from unirl_pl.generators.qwenimage import QwenImageGenerator
 from unirl_pl.generators.qwenimage_edit import QwenImageEditPlusGenerator
 from unirl_pl.generators.sd3 import SD3Generator
@@ -62,6 +63,7 @@ __all__ = [
     "Flux2KleinGenerator",
     "FluxGenerator",
     "FluxKontextGenerator",
+    "InContextEditGenerator",
     "QwenImageEditPlusGenerator",
     "QwenImageGenerator",
     "SD3Generator",

@@ -79,6 +79,7 @@ HOST_REWARDS: dict[str, str] = {
     "http": "a reward server (another process or machine)",
     "vlm_judge": "a VLM server over HTTP",
     "shapes_geneval": "numpy on the host",
+    "shapes_edit": "numpy on the host",
     "jpeg_compressibility": "JPEG encoding on the host",
     "jpeg_incompressibility": "JPEG encoding on the host",
     "brightness": "a mean over the images",

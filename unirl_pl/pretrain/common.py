@@ -12,18 +12,31 @@ from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.pretrain.vocab import build_shapes_tokenizer
 
 
-def build_text_encoder(expert: TextEncoderExpert) -> None:
-    """Build ``expert`` over the ShapesWorld vocabulary (or load it when it has a ``pretrained_path``).
+def build_text_encoder(expert: TextEncoderExpert, vocabulary: str = "scenes") -> None:
+    """Build ``expert`` over the ShapesWorld ``vocabulary`` (``scenes`` or ``edits``, see ``build_shapes_tokenizer``),
+    or load it when it has a ``pretrained_path``.
 
     The expert's own tiny build uses ``DEFAULT_WORDS``, which misses held-out paraphrase words; the
-    exported folder saves this tokenizer next to the weights, so loading by path needs nothing else.
+    exported folder saves this tokenizer next to the weights, so loading by path needs nothing else. A loaded
+    encoder whose tokenizer lacks words of ``vocabulary`` gets them: the vocabularies only append words, so its
+    ids stay and its embedding table grows by the new rows (``resize_token_embeddings``, drawn from the old
+    rows' mean and covariance with the global RNG, seeded by the run).
     """
     if expert.is_built:
         return
+    tokenizer = build_shapes_tokenizer("right", vocabulary)
     if expert.pretrained_path is not None:
         expert.build()
+        loaded = expert.tokenizer.get_vocab()
+        if len(loaded) < len(tokenizer):
+            wanted = tokenizer.get_vocab()
+            if any(wanted.get(word) != i for word, i in loaded.items()):
+                raise ValueError(
+                    f"the text encoder at {expert.pretrained_path} has a vocabulary that {vocabulary!r} does not extend"
+                )
+            expert.model.resize_token_embeddings(len(tokenizer))
+            expert.tokenizer = tokenizer
         return
-    tokenizer = build_shapes_tokenizer("right")
     with seeded_cpu_init(expert.init_seed):
         model = CLIPTextModelWithProjection(expert.tiny_config(tokenizer)).to(expert.dtype)
     expert.tokenizer = tokenizer

@@ -14,6 +14,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from unirl_pl.shapes.edits import (
+    EDIT_KINDS,
+    EditSpec,
+    edit_of,
+    make_edit_set,
+    paraphrase_edit,
+    render_source,
+    render_target,
+    sample_edit,
+)
 from unirl_pl.shapes.prompts import make_prompt_set, paraphrase
 from unirl_pl.shapes.render import DEFAULT_SIZE, render_batch
 from unirl_pl.shapes.scenes import COLORS, caption, sample_scene
@@ -53,6 +63,61 @@ def pair_batch(seed: int, step: int, batch_size: int, drop_colors: float = 0.0) 
         drop = np.random.default_rng((seed, step, 1)).random(batch_size) < drop_colors
         captions = [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
     return {"prompts": prompts, "captions": captions}
+
+
+def _pixels(images: list[np.ndarray]) -> torch.Tensor:
+    """uint8 HWC renders as a (B, 3, H, W) float batch in [-1, 1], the pixel-space DiT's range."""
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def _draw_edits(seed: int, step: int, batch_size: int, heldout: float, slots: int) -> list[EditSpec]:
+    rng = np.random.default_rng((seed, step))
+    edits = []
+    for _ in range(batch_size):
+        kind = EDIT_KINDS[int(rng.integers(len(EDIT_KINDS)))]
+        edits.append(sample_edit(rng, kind, "heldout" if rng.random() < heldout else "train", slots=slots))
+    return edits
+
+
+def edit_batch(seed: int, step: int, batch_size: int, heldout: float = 0.25, slots: int = 2) -> dict[str, Any]:
+    """Batch ``step`` of the edit stream: ``sources`` and ``images`` (the targets), (B, 3, 32, 32) in [-1, 1], and
+    ``captions``, the canonical instructions. Kinds are uniform; a ``heldout`` fraction of the edits is drawn from
+    the held-out compositions, since pretraining is the world (as the scene stream draws every composition) and
+    only RL keeps to the train split."""
+    edits = _draw_edits(seed, step, batch_size, heldout, slots)
+    return {
+        "sources": _pixels([render_source(e) for e in edits]),
+        "images": _pixels([render_target(e) for e in edits]),
+        "captions": [e.instruction for e in edits],
+    }
+
+
+def instruction_batch(seed: int, step: int, batch_size: int, drop_colors: float = 0.0) -> dict[str, Any]:
+    """Batch ``step`` of (train-phrased instruction, canonical instruction) pairs as ``prompts``/``captions``, of
+    train-split edits; ``drop_colors`` as in :func:`pair_batch`."""
+    rng = np.random.default_rng((seed, step))
+    edits = [sample_edit(rng, EDIT_KINDS[int(rng.integers(len(EDIT_KINDS)))], "train") for _ in range(batch_size)]
+    prompts = [paraphrase_edit(e, rng, "train") for e in edits]
+    captions = [e.instruction for e in edits]
+    if drop_colors > 0:
+        drop = np.random.default_rng((seed, step, 1)).random(batch_size) < drop_colors
+        captions = [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
+    return {"prompts": prompts, "captions": captions}
+
+
+def heldout_edit_batches(n: int, seed: int, batch_size: int, slots: int = 2) -> list[dict[str, Any]]:
+    """Held-out edits phrased in train words as validation batches: ``prompts`` (the user instructions),
+    ``captions`` (canonical), ``rows`` (each edit's JSON row) and ``sources`` (B, 3, 32, 32) in [-1, 1]."""
+    rows = make_edit_set(n, seed, "heldout", phrasing="train", slots=slots)
+    return [
+        {
+            "prompts": [r["prompt"] for r in chunk],
+            "captions": [r["instruction"] for r in chunk],
+            "rows": chunk,
+            "sources": _pixels([render_source(edit_of(r)) for r in chunk]),
+        }
+        for chunk in (rows[i : i + batch_size] for i in range(0, n, batch_size))
+    ]
 
 
 class _Stream(IterableDataset):
@@ -173,3 +238,67 @@ class ParaphraseDataModule(_PretrainData):
 
     def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
         return pair_batch(seed, step, batch_size, self.drop_colors)
+
+
+class EditDataModule(_PretrainData):
+    """Rendered ShapesWorld-Edit triples (source, canonical instruction, target) for the edit DiT's pretraining.
+
+    Args:
+        batch_size: Edits per optimizer step.
+        seed: Seed of the stream (batch ``i`` depends only on ``(seed, i)``).
+        val_prompts: Held-out edits (train words) sampled and verified at validation.
+        val_seed: Seed of the held-out edits.
+        heldout: Fraction of training edits drawn from the held-out compositions (pretraining sees the world).
+        slots: Objects sit in the cells of a ``slots`` x ``slots`` grid (2: the scene DiT's pretraining layout).
+    """
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        seed: int = 0,
+        val_prompts: int = 50,
+        val_seed: int = 1000,
+        heldout: float = 0.25,
+        slots: int = 2,
+    ) -> None:
+        super().__init__(batch_size, seed, val_prompts, val_seed, "heldout")
+        if not 0.0 <= heldout <= 1.0:
+            raise ValueError(f"heldout must be in [0, 1], got {heldout}")
+        self.heldout, self.slots = heldout, slots
+
+    def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
+        return edit_batch(seed, step, batch_size, self.heldout, self.slots)
+
+    def val_dataloader(self) -> DataLoader:
+        batches = heldout_edit_batches(self.val_prompts, self.val_seed, self.batch_size, self.slots)
+        return DataLoader(_Fixed(batches), batch_size=None)
+
+
+class InstructionDataModule(_PretrainData):
+    """Train-split (paraphrased instruction, canonical instruction) pairs for the edit refiner's SFT.
+
+    Args:
+        batch_size: Pairs per optimizer step.
+        seed: Seed of the pair stream.
+        val_prompts: Held-out edits (train words) whose greedy refinements are checked at validation.
+        val_seed: Seed of the held-out edits.
+        drop_colors: Fraction of training pairs whose target instruction leaves out its color words, the
+            systematic labeling error of ``ParaphraseDataModule`` (validation instructions keep their colors).
+    """
+
+    def __init__(
+        self, batch_size: int = 64, seed: int = 0, val_prompts: int = 60, val_seed: int = 1000, drop_colors: float = 0.0
+    ) -> None:
+        super().__init__(batch_size, seed, val_prompts, val_seed, "heldout")
+        if not 0.0 <= drop_colors <= 1.0:
+            raise ValueError(f"drop_colors must be in [0, 1], got {drop_colors}")
+        self.drop_colors = drop_colors
+
+    def make_batch(self, seed: int, step: int, batch_size: int) -> dict[str, Any]:
+        return instruction_batch(seed, step, batch_size, self.drop_colors)
+
+    def val_dataloader(self) -> DataLoader:
+        batches = heldout_edit_batches(self.val_prompts, self.val_seed, self.batch_size, slots=0)
+        return DataLoader(
+            _Fixed([{"prompts": b["prompts"], "captions": b["captions"]} for b in batches]), batch_size=None
+        )

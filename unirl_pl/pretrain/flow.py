@@ -110,7 +110,8 @@ class FlowMatchingPretrain(pl.LightningModule):
             set_threads(num_threads)
         if transformer.in_channels != 3 or transformer.pretrained_path is not None:
             raise ValueError(
-                "FlowMatchingPretrain trains a fresh pixel-space DiT: in_channels 3 and no pretrained_path"
+                f"{type(self).__name__} trains a pixel-space DiT built from its tiny fields: in_channels 3 and no "
+                "pretrained_path"
             )
         if shift <= 0:
             raise ValueError(f"shift must be > 0, got {shift}")
@@ -167,7 +168,8 @@ class FlowMatchingPretrain(pl.LightningModule):
         sigma = torch.sigmoid(torch.randn(n, device=x0.device))
         sigma = self.shift * sigma / (1 + (self.shift - 1) * sigma)
         x_s, target = flow_targets(x0, torch.randn_like(x0), sigma)
-        pred = self.transformer.velocity(x_s, sigma, hidden, pooled)
+        # An edit batch carries each target's clean source image, read in context (FlowTransformerExpert.velocity).
+        pred = self.transformer.velocity(x_s, sigma, hidden, pooled, source=batch.get("sources"))
         loss = torch.nn.functional.mse_loss(pred.float(), target)
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         return loss

@@ -16,7 +16,8 @@ from unirl_pl.experts.llm import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.manifest import write_manifest
 from unirl_pl.pretrain.common import warmup_cosine
-from unirl_pl.pretrain.vocab import build_shapes_tokenizer
+from unirl_pl.pretrain.vocab import VOCABULARIES, build_shapes_tokenizer
+from unirl_pl.shapes.edit_prompts import parse_instruction
 from unirl_pl.shapes.scenes import parse_caption
 from unirl_pl.threads import set_threads
 
@@ -43,9 +44,9 @@ def sft_batch(tokenizer: Any, prompts: list[str], captions: list[str]) -> dict[s
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
-def _parses(text: str) -> bool:
+def _parses(text: str, vocabulary: str = "scenes") -> bool:
     try:
-        parse_caption(text)
+        parse_caption(text) if vocabulary == "scenes" else parse_instruction(text)
     except ValueError:
         return False
     return True
@@ -72,6 +73,8 @@ class RefinerSFT(pl.LightningModule):
         num_threads: Torch intra-op threads for this process (None: torch's default); 1 avoids
             OpenMP spin-waiting on a CPU shared with other jobs.
         export_dir: Folder to write ``refiner/`` to at fit end (None: no export).
+        vocabulary: The word tokenizer's words: ``scenes`` (scene prompts and captions) or ``edits`` (those and
+            the ShapesWorld-Edit instruction words); validation's parse rate parses captions or instructions.
     """
 
     def __init__(
@@ -84,10 +87,14 @@ class RefinerSFT(pl.LightningModule):
         max_new_tokens: int = 12,
         num_threads: int | None = None,
         export_dir: str | None = None,
+        vocabulary: str = "scenes",
     ) -> None:
         super().__init__()
         if num_threads is not None:
             set_threads(num_threads)
+        if vocabulary not in VOCABULARIES:
+            raise ValueError(f"vocabulary must be one of {sorted(VOCABULARIES)}, got {vocabulary!r}")
+        self.vocabulary = vocabulary
         self.llm = llm
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.lr_floor = warmup_steps, lr_floor
@@ -97,7 +104,7 @@ class RefinerSFT(pl.LightningModule):
     def configure_model(self) -> None:
         if self.llm.model is not None:
             return
-        tokenizer = build_shapes_tokenizer("left")
+        tokenizer = build_shapes_tokenizer("left", self.vocabulary)
         with seeded_cpu_init(self.llm.init_seed):
             # The expert's own tiny config, so the exported model is what the RL run would have built.
             model = self.llm._base_model(tokenizer)
@@ -130,7 +137,7 @@ class RefinerSFT(pl.LightningModule):
         n = len(refined)
         exact = sum(r == c for r, c in zip(refined, batch["captions"], strict=True)) / n
         self.log("val/exact_match", exact, batch_size=n, prog_bar=True)
-        self.log("val/parse_rate", sum(_parses(r) for r in refined) / n, batch_size=n)
+        self.log("val/parse_rate", sum(_parses(r, self.vocabulary) for r in refined) / n, batch_size=n)
 
     def configure_optimizers(self) -> dict[str, Any]:
         opt = torch.optim.AdamW(self.llm.parameters(), lr=self.lr, weight_decay=self.weight_decay)

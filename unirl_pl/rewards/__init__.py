@@ -39,6 +39,7 @@ from unirl_pl.rewards.http import HTTPReward, RewardServerError
 from unirl_pl.rewards.imagereward import ImageReward
 from unirl_pl.rewards.ocr import OCRReward
 from unirl_pl.rewards.shapes import ShapesGenEval
+from unirl_pl.rewards.shapes_edit import ShapesEdit
 from unirl_pl.rewards.vlm_judge import VLMJudge
 from unirl_pl.rewards.weighted import WeightedSum
 
@@ -66,6 +67,7 @@ __all__ = [
     "RewardServerError",
     "RewardTerm",
     "RewardTerms",
+    "ShapesEdit",
     "ShapesGenEval",
     "VLMJudge",
     "WeightedSum",

@@ -279,6 +279,7 @@ def _lazy(module: str, attr: str) -> Callable[..., RewardFn]:
 # The short names, each an alias of a component class (its ``name``); imported on first use (the OCR extra is
 # optional, and model libraries load slowly).
 REGISTRY["shapes_geneval"] = _lazy("unirl_pl.rewards.shapes", "ShapesGenEval")
+REGISTRY["shapes_edit"] = _lazy("unirl_pl.rewards.shapes_edit", "ShapesEdit")
 REGISTRY["ocr"] = _lazy("unirl_pl.rewards.ocr", "OCRReward")
 REGISTRY["http"] = _lazy("unirl_pl.rewards.http", "HTTPReward")
 REGISTRY["pickscore"] = _lazy("unirl_pl.rewards.clip_models", "PickScore")

@@ -6,8 +6,11 @@ paraphrases with train and held-out phrasings and maps them back to canonical ca
 
 ShapesWorld-Edit builds on them: ``edits`` samples instruction edits of a scene (recolor, reshape, add,
 remove, move) with train and held-out compositions, ``edit_prompts`` writes and parses the instructions,
-and ``edit_verify`` scores an edited image against the target and the objects it must preserve.
+and ``edit_verify`` scores an edited image against the target and the objects it must preserve;
+``edit_files`` writes the editing prompt files (JSONL rows and source PNGs) a run trains and validates on.
 """
+
+from typing import Any
 
 from unirl_pl.shapes.edit_prompts import EDIT_TEMPLATES, parse_instruction
 from unirl_pl.shapes.edit_verify import EditVerdict, edit_breakdown, verify_edit
@@ -92,5 +95,17 @@ __all__ = [
     "tokenize_words",
     "verify",
     "verify_edit",
+    "write_edit_files",
     "write_jsonl",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # ``write_edit_files`` is imported on first use: importing ``edit_files`` here would put it in sys.modules
+    # before ``python -m unirl_pl.shapes.edit_files`` runs it (runpy then warns), and would load Pillow for
+    # every user of the scene modules.
+    if name == "write_edit_files":
+        from unirl_pl.shapes.edit_files import write_edit_files
+
+        return write_edit_files
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

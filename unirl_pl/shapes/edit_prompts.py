@@ -67,6 +67,16 @@ _SYNONYMS: dict[str, dict[str, tuple[tuple[str, ...], tuple[str, ...]]]] = {
     "quantity": {"a": QUANTITY_SYNONYMS[1]},
     "relation": RELATION_SYNONYMS,
 }
+
+
+def _template_words() -> tuple[str, ...]:
+    words = {word for pools in EDIT_TEMPLATES.values() for pool in pools for t in pool for word in t.split()}
+    return tuple(sorted(w for w in words if not w.startswith("{")))
+
+
+# The words of every instruction template outside its slots (``make``, ``the``, ``into``, ``should``): what a word
+# tokenizer must add to the scene prompts' ``SHAPES_WORDS`` to read instructions (the slots' words are theirs).
+EDIT_WORDS: tuple[str, ...] = _template_words()
 _WORD_OF: dict[str, dict[str, str]] = {
     cls: {w: c for c, (train, held) in table.items() for w in (c, *train, *held)} for cls, table in _SYNONYMS.items()
 }
