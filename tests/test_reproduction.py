@@ -5,7 +5,9 @@ folder, and every tensor of the export must equal the shipped file's (~20 s). Th
 ~20 minutes, longer than the whole suite may, so its test runs the recipe's first 100 steps (the
 warmup, whose learning rates do not depend on ``trainer.max_steps``) and checks the SHA-256 of the
 trained weights after step 100 against the one the shipped run recorded in ``fingerprints.json``.
-The full DiT run reproduces the shipped weights bit for bit by hand (docs/shapesworld.md).
+The full DiT run reproduces the shipped weights bit for bit by hand (docs/shapesworld.md). The ShapesWorld-Edit
+experts' recipes record fingerprints inside their warmups too (the refiner every 50 steps, the DiT every 20), and
+their tests run the first 50 and 20 steps.
 
 Bit-identical training needs the same CPU kernels: torch picks its vectorized kernels by what the CPU offers
 (``torch.backends.cpu.get_cpu_capability()``), and float sums in another order give other bits. The shipped
@@ -28,6 +30,9 @@ from unirl_pl.pretrain.flow import weights_sha256
 
 pytestmark = pytest.mark.slow
 SHIPPED = ROOT / "unirl_pl" / "assets" / "shapes"
+# The ShapesWorld-Edit experts were trained on an AVX512 CPU (2026-12-06, torch 2.13.0+cpu): their shipped
+# fingerprints are that capability's.
+SHIPPED_EDIT = ROOT / "unirl_pl" / "assets" / "shapes_edit"
 CAPABILITY = torch.backends.cpu.get_cpu_capability()
 # What the recipes produce where the kernels differ from the shipping machine's (measured on torch 2.13.0).
 OTHER_KERNELS = {
@@ -59,7 +64,8 @@ def _tensors_sha256(path: Path) -> str:
 
 
 def _assert_expected(got: str, shipped: str, what: str) -> None:
-    expected = {shipped} | ({OTHER_KERNELS[CAPABILITY][what]} if CAPABILITY in OTHER_KERNELS else set())
+    other = OTHER_KERNELS.get(CAPABILITY, {}).get(what)
+    expected = {shipped} | ({other} if other else set())
     assert got in expected, (
         f"{what}: SHA-256 {got} on a {CAPABILITY} CPU is neither the shipped run's nor one recorded for "
         f"these kernels ({sorted(OTHER_KERNELS)}); if the code did not change, record it in OTHER_KERNELS"
@@ -78,6 +84,28 @@ def test_dit_pretraining_retraces_the_shipped_run_through_its_warmup(tmp_path):
     ours = json.loads((tmp_path / "fingerprints.json").read_text())["trained_weights_sha256_after_step"]
     _assert_expected(ours["100"], shipped["100"], "dit_after_step_100")
     assert len(shipped) >= 10, "the shipped run recorded its whole trajectory"
+
+
+def _fingerprints(path: Path) -> dict[str, str]:
+    return json.loads(path.read_text())["trained_weights_sha256_after_step"]
+
+
+def test_edit_refiner_pretraining_retraces_the_shipped_run_through_its_warmup(tmp_path):
+    # 50 steps: the recipe's warmup, whose learning rates do not depend on trainer.max_steps.
+    shipped = _fingerprints(SHIPPED_EDIT / "refiner" / "fingerprints.json")
+    _pretrain("pretrain_edit_refiner.yaml", tmp_path, "--trainer.max_steps=50", "--trainer.limit_val_batches=0")
+    ours = _fingerprints(tmp_path / "refiner" / "fingerprints.json")
+    _assert_expected(ours["50"], shipped["50"], "edit_refiner_after_step_50")
+    assert len(shipped) == 12, "the shipped run recorded every 50th of its 600 steps"
+
+
+def test_edit_dit_pretraining_retraces_the_shipped_run_from_the_scene_dit(tmp_path):
+    # 20 of the warmup's 100 steps, warm-started from the shipped scene DiT and text encoder as the recipe is.
+    shipped = _fingerprints(SHIPPED_EDIT / "fingerprints.json")
+    _pretrain("pretrain_edit_dit.yaml", tmp_path, "--trainer.max_steps=20", "--trainer.limit_val_batches=0")
+    ours = _fingerprints(tmp_path / "fingerprints.json")
+    _assert_expected(ours["20"], shipped["20"], "edit_dit_after_step_20")
+    assert len(shipped) == 100, "the shipped run recorded every 20th of its 2000 steps"
 
 
 def test_a_different_run_is_not_accepted():

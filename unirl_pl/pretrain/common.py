@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -58,3 +59,11 @@ def warmup_cosine(
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def weights_sha256(params: list[torch.nn.Parameter]) -> str:
+    """SHA-256 of the parameters' float32 bytes in order: equal hashes mean bit-identical weights."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()

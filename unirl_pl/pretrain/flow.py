@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,17 +20,9 @@ from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.generators import ComponentGenerator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.manifest import write_manifest
-from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine
+from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine, weights_sha256
 from unirl_pl.rewards.shapes import ShapesGenEval
 from unirl_pl.threads import set_threads
-
-
-def weights_sha256(params: list[torch.nn.Parameter]) -> str:
-    """SHA-256 of the parameters' float32 bytes in order: equal hashes mean bit-identical weights."""
-    digest = hashlib.sha256()
-    for p in params:
-        digest.update(p.detach().float().contiguous().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def flow_targets(x0: Tensor, noise: Tensor, sigma: Tensor) -> tuple[Tensor, Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.llm import TinyCausalLMExpert
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.manifest import write_manifest
-from unirl_pl.pretrain.common import warmup_cosine
+from unirl_pl.pretrain.common import warmup_cosine, weights_sha256
 from unirl_pl.pretrain.vocab import VOCABULARIES, build_shapes_tokenizer
 from unirl_pl.shapes.edit_prompts import parse_instruction
 from unirl_pl.shapes.scenes import parse_caption
@@ -73,6 +74,9 @@ class RefinerSFT(pl.LightningModule):
         num_threads: Torch intra-op threads for this process (None: torch's default); 1 avoids
             OpenMP spin-waiting on a CPU shared with other jobs.
         export_dir: Folder to write ``refiner/`` to at fit end (None: no export).
+        fingerprint_every: Record the SHA-256 of the weights after every this many optimizer steps (0: never) and
+            export them as ``refiner/fingerprints.json``, so a short run can be checked against a long one inside
+            the warmup, whose learning rates do not depend on ``trainer.max_steps``.
         vocabulary: The word tokenizer's words: ``scenes`` (scene prompts and captions) or ``edits`` (those and
             the ShapesWorld-Edit instruction words); validation's parse rate parses captions or instructions.
     """
@@ -88,6 +92,7 @@ class RefinerSFT(pl.LightningModule):
         num_threads: int | None = None,
         export_dir: str | None = None,
         vocabulary: str = "scenes",
+        fingerprint_every: int = 0,
     ) -> None:
         super().__init__()
         if num_threads is not None:
@@ -95,6 +100,8 @@ class RefinerSFT(pl.LightningModule):
         if vocabulary not in VOCABULARIES:
             raise ValueError(f"vocabulary must be one of {sorted(VOCABULARIES)}, got {vocabulary!r}")
         self.vocabulary = vocabulary
+        self.fingerprint_every = fingerprint_every
+        self.fingerprints: dict[str, str] = {}
         self.llm = llm
         self.lr, self.weight_decay = lr, weight_decay
         self.warmup_steps, self.lr_floor = warmup_steps, lr_floor
@@ -124,6 +131,10 @@ class RefinerSFT(pl.LightningModule):
         )
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["prompts"]))
         return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.fingerprint_every and self.global_step % self.fingerprint_every == 0:
+            self.fingerprints[str(self.global_step)] = weights_sha256(list(self.llm.parameters()))
 
     @torch.no_grad()
     def refine(self, prompts: list[str]) -> list[str]:
@@ -155,4 +166,7 @@ class RefinerSFT(pl.LightningModule):
         path = Path(export_dir) / "refiner"
         self.llm.model.save_pretrained(path)
         self.llm.tokenizer.save_pretrained(path)
+        if self.fingerprints:
+            text = json.dumps({"trained_weights_sha256_after_step": self.fingerprints}, indent=1)
+            (path / "fingerprints.json").write_text(text + "\n")
         write_manifest(path)  # checked when CausalLMExpert loads it (unirl_pl.manifest)
