@@ -263,6 +263,22 @@ def test_a_copy_of_the_shipped_assets_with_a_flipped_payload_byte_is_refused(tmp
         verify_assets(copy)
 
 
+def test_a_copy_of_a_shipped_dit_that_shares_its_header_with_another_is_intact(tmp_path):
+    # The edit DiT was trained from the scene DiT: same file name, size and tensor header, other payload. A copy
+    # of either is intact, and a copy of the edit DiT with a flipped byte is still corrupt.
+    weights = "diffusion_pytorch_model.safetensors"
+    scene, edit = (ASSETS / name / "transformer" / weights for name in ("shapes", "shapes_edit"))
+    assert scene.stat().st_size == edit.stat().st_size and scene.read_bytes() != edit.read_bytes()
+    copy = tmp_path / "edit_dit"
+    shutil.copytree(edit.parent, copy)
+    assert verify_assets(copy) == [copy / weights]
+    data = bytearray((copy / weights).read_bytes())
+    data[-5] ^= 0xFF
+    (copy / weights).write_bytes(bytes(data))
+    with pytest.raises(AssetIntegrityError, match="the copy is corrupt"):
+        verify_assets(copy)
+
+
 @pytest.mark.slow
 def test_a_recipe_pointing_at_a_corrupt_copy_stops_at_setup_in_one_line(tmp_path, capsys):
     copy = _flipped_copy(tmp_path, "transformer", "diffusion_pytorch_model.safetensors")

@@ -93,7 +93,9 @@ def test_the_edit_generator_encodes_sources_at_the_target_size_and_conditions_on
     with_source = generator.velocity(x, sigma, text | cond)
     expected = generator.transformer.velocity(x, sigma, text["hidden"], text["pooled"], source=cond[SOURCE_KEY])
     torch.testing.assert_close(with_source, expected)
-    torch.testing.assert_close(generator.velocity(x, sigma, text), ComponentGenerator.velocity(generator, x, sigma, text))
+    torch.testing.assert_close(
+        generator.velocity(x, sigma, text), ComponentGenerator.velocity(generator, x, sigma, text)
+    )
     with pytest.raises(ValueError, match="source image 0 must be"):
         generator.encode_source([torch.rand(8, 8)])
 
