@@ -137,7 +137,7 @@ def check_edit_setup(data: Any, generator: Any, refiner: Any = None) -> None:
         raise InputError(
             f"data.prompts / data.val_prompts hold source images (rows with 'image'), but model.generator ({family}) "
             "generates from text alone: use an editing family (FluxKontextGenerator, QwenImageEditPlusGenerator, "
-            "Flux2KleinGenerator) or prompt rows without 'image'"
+            "Flux2KleinGenerator, InContextEditGenerator) or prompt rows without 'image'"
         )
     if edits and hasattr(refiner, "sees_images") and not refiner.sees_images:
         warnings.warn(
