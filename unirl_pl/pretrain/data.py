@@ -49,6 +49,15 @@ def uncolored(text: str) -> str:
     return " ".join(word for word in text.split() if word not in COLORS)
 
 
+def _drop_colors(captions: list[str], seed: int, step: int, fraction: float) -> list[str]:
+    """``captions`` with that ``fraction`` of them ``uncolored``: the choice draws from its own stream, so the
+    prompts and the other captions do not change with it."""
+    if fraction <= 0:
+        return captions
+    drop = np.random.default_rng((seed, step, 1)).random(len(captions)) < fraction
+    return [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
+
+
 def pair_batch(seed: int, step: int, batch_size: int, drop_colors: float = 0.0) -> dict[str, Any]:
     """Batch ``step`` of (train-split paraphrase, canonical caption) pairs as ``prompts``/``captions``.
 
@@ -59,9 +68,7 @@ def pair_batch(seed: int, step: int, batch_size: int, drop_colors: float = 0.0) 
     specs = [sample_scene(rng) for _ in range(batch_size)]
     prompts = [paraphrase(s, rng, "train") for s in specs]
     captions = [caption(s) for s in specs]
-    if drop_colors > 0:
-        drop = np.random.default_rng((seed, step, 1)).random(batch_size) < drop_colors
-        captions = [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
+    captions = _drop_colors(captions, seed, step, drop_colors)
     return {"prompts": prompts, "captions": captions}
 
 
@@ -99,9 +106,7 @@ def instruction_batch(seed: int, step: int, batch_size: int, drop_colors: float 
     edits = [sample_edit(rng, EDIT_KINDS[int(rng.integers(len(EDIT_KINDS)))], "train") for _ in range(batch_size)]
     prompts = [paraphrase_edit(e, rng, "train") for e in edits]
     captions = [e.instruction for e in edits]
-    if drop_colors > 0:
-        drop = np.random.default_rng((seed, step, 1)).random(batch_size) < drop_colors
-        captions = [uncolored(c) if d else c for c, d in zip(captions, drop, strict=True)]
+    captions = _drop_colors(captions, seed, step, drop_colors)
     return {"prompts": prompts, "captions": captions}
 
 

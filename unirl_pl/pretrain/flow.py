@@ -160,7 +160,8 @@ class FlowMatchingPretrain(pl.LightningModule):
         sigma = self.shift * sigma / (1 + (self.shift - 1) * sigma)
         x_s, target = flow_targets(x0, torch.randn_like(x0), sigma)
         # An edit batch carries each target's clean source image, read in context (FlowTransformerExpert.velocity).
-        pred = self.transformer.velocity(x_s, sigma, hidden, pooled, source=batch.get("sources"))
+        extra = {"source": batch["sources"]} if "sources" in batch else {}
+        pred = self.transformer.velocity(x_s, sigma, hidden, pooled, **extra)
         loss = torch.nn.functional.mse_loss(pred.float(), target)
         self.log("train/loss", loss, prog_bar=True, batch_size=n)
         return loss
