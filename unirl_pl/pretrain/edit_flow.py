@@ -16,6 +16,7 @@ from unirl_pl.experts.dit import FlowTransformerExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.generators.in_context import SOURCE_KEY, InContextEditGenerator
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
+from unirl_pl.manifest import verify_assets
 from unirl_pl.pretrain.common import build_text_encoder
 from unirl_pl.pretrain.flow import FlowMatchingPretrain
 from unirl_pl.shapes.edit_verify import edit_breakdown
@@ -28,15 +29,16 @@ class EditFlowPretrain(FlowMatchingPretrain):
     loss is the target half's. Validation samples held-out edits on the RL serve path with their sources and logs
     the ShapesWorld-Edit verifier's strict and soft scores per kind (``val/strict/<kind>``).
 
-    Everything trains in full, as the scene DiT did. ``init_transformer`` warm-starts the DiT from a pretrained
+    Everything trains in full, as the scene DiT did. ``init_transformer_path`` warm-starts the DiT from a pretrained
     pixel-space folder (the shipped scene DiT), whose ``pos_embed_max_size`` must cover twice the width; the text
     encoder warm-starts through its own ``pretrained_path`` and gains the instruction words
     (``build_text_encoder(vocabulary="edits")``).
 
     Args:
-        transformer: Describes the DiT built when ``init_transformer`` is None (tiny-model fields only).
+        transformer: Describes the DiT built when ``init_transformer_path`` is None (tiny-model fields only).
         text_encoder: The text encoder (a ``pretrained_path`` warm-starts it).
-        init_transformer: Folder of a pretrained ``SD3Transformer2DModel`` to start the DiT from (None: fresh).
+        init_transformer_path: Folder of a pretrained ``SD3Transformer2DModel`` to start the DiT from (None: fresh);
+            like every ``*_path`` key of a recipe it resolves from the recipe's folder or the package.
         **kwargs: ``FlowMatchingPretrain``'s other arguments.
     """
 
@@ -44,11 +46,11 @@ class EditFlowPretrain(FlowMatchingPretrain):
         self,
         transformer: FlowTransformerExpert = lazy_instance(FlowTransformerExpert),
         text_encoder: TextEncoderExpert = lazy_instance(TextEncoderExpert),
-        init_transformer: str | None = None,
+        init_transformer_path: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(transformer, text_encoder, **kwargs)
-        self.init_transformer = init_transformer
+        self.init_transformer_path = init_transformer_path
 
     def configure_model(self) -> None:
         if self.transformer.model is not None:
@@ -56,11 +58,13 @@ class EditFlowPretrain(FlowMatchingPretrain):
         build_text_encoder(self.text_encoder, vocabulary="edits")
         if self.train_text_encoder:
             self.text_encoder.model.requires_grad_(True)
-        if self.init_transformer is None:
+        if self.init_transformer_path is None:
             with seeded_cpu_init(self.transformer.init_seed):
                 self.transformer.model = SD3Transformer2DModel(**self.transformer.tiny_config())
             return
-        model = SD3Transformer2DModel.from_pretrained(str(Path(self.init_transformer)))
+        folder = Path(self.init_transformer_path)
+        verify_assets(folder, component=type(self).__name__)  # a shipped folder is checked against its manifest
+        model = SD3Transformer2DModel.from_pretrained(str(folder))
         model.requires_grad_(True)
         self.transformer.model = model.float()
 
