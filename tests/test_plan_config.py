@@ -28,7 +28,14 @@ from unirl_pl.plan.recipe import RecipeError, StepRecipe, parsed_recipe, step_re
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 # Recipes plan refuses, and why: overlays are no whole recipe; the test bed's generator has no real-size config.
-NOT_PLANNED = {"ddp": "overlay", "fsdp": "overlay", "multinode": "overlay", "joint": "test bed", "tiny": "test bed"}
+NOT_PLANNED = {
+    "ddp": "overlay",
+    "fsdp": "overlay",
+    "multinode": "overlay",
+    "joint": "test bed",
+    "tiny": "test bed",
+    "edit": "test bed",
+}
 CASES = [[path.stem] for path in sorted(RECIPES.glob("*.yaml"))] + [["sd35", "fsdp"]]
 
 
