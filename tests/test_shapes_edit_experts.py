@@ -15,6 +15,7 @@ from unirl_pl.pretrain.common import build_text_encoder
 from unirl_pl.pretrain.data import (
     EditDataModule,
     InstructionDataModule,
+    draw_edits,
     edit_batch,
     heldout_edit_batches,
     instruction_batch,
@@ -27,7 +28,7 @@ from unirl_pl.shapes.edit_prompts import EDIT_WORDS
 def _dit(**kwargs: object) -> FlowTransformerExpert:
     dit = FlowTransformerExpert(sample_size=8, patch_size=2, in_channels=3, **kwargs)
     dit.build()
-    with torch.no_grad():  # LoRA B = 0 hides nothing here, but a non-zero adapter shows it is applied
+    with torch.no_grad():  # a trained-looking adapter (B != 0), as in an RL run after its first steps
         for name, p in dit.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
@@ -120,9 +121,15 @@ def test_edit_batches_are_pure_functions_of_seed_and_step_with_canonical_instruc
     for caption in a["captions"]:
         kind, canonical = parse_instruction(caption)
         assert kind in EDIT_KINDS and canonical == caption
-    # The held-out fraction: 0 draws only train compositions, 1 only held-out ones.
-    many = [parse_instruction(t)[0] for s in range(8) for t in edit_batch(1, s, 32, heldout=0.0)["captions"]]
-    assert set(many) == set(EDIT_KINDS)
+
+    # The held-out fraction: 0 draws only train compositions, 1 only held-out ones, the default about a quarter.
+    def heldout_share(fraction: float) -> float:
+        edits = [e for step in range(8) for e in draw_edits(1, step, 32, fraction, 2)]
+        assert {e.kind for e in edits} == set(EDIT_KINDS)
+        return float(np.mean([is_heldout_edit(*e.composition) for e in edits]))
+
+    assert heldout_share(0.0) == 0.0 and heldout_share(1.0) == 1.0
+    assert 0.15 < heldout_share(0.25) < 0.35
 
 
 def test_instruction_pairs_drop_colors_only_from_the_targets() -> None:

@@ -77,7 +77,8 @@ def _pixels(images: list[np.ndarray]) -> torch.Tensor:
     return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
 
-def _draw_edits(seed: int, step: int, batch_size: int, heldout: float, slots: int) -> list[EditSpec]:
+def draw_edits(seed: int, step: int, batch_size: int, heldout: float, slots: int) -> list[EditSpec]:
+    """The edits of batch ``step``: kinds uniform, each from the held-out compositions with probability ``heldout``."""
     rng = np.random.default_rng((seed, step))
     edits = []
     for _ in range(batch_size):
@@ -91,7 +92,7 @@ def edit_batch(seed: int, step: int, batch_size: int, heldout: float = 0.25, slo
     ``captions``, the canonical instructions. Kinds are uniform; a ``heldout`` fraction of the edits is drawn from
     the held-out compositions, since pretraining is the world (as the scene stream draws every composition) and
     only RL keeps to the train split."""
-    edits = _draw_edits(seed, step, batch_size, heldout, slots)
+    edits = draw_edits(seed, step, batch_size, heldout, slots)
     return {
         "sources": _pixels([render_source(e) for e in edits]),
         "images": _pixels([render_target(e) for e in edits]),
