@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import lazy_instance
 from lightning.pytorch.cli import OptimizerCallable
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -31,6 +30,7 @@ from unirl_pl.distributed import shard_experts
 from unirl_pl.evaluation import ValidationMetrics, serve, validation_keys, validation_scores
 from unirl_pl.experts import CausalLMExpert, TinyCausalLMExpert
 from unirl_pl.generators import ComponentGenerator, FlowGenerator
+from unirl_pl.lazy_defaults import lazy_default
 from unirl_pl.loops import ARDecode, DiffusionDenoise, EvalSampler, RolloutConfig, write_schedule
 from unirl_pl.losses import LossOutput
 from unirl_pl.method import AdvantageConfig, ExpertLoss
@@ -110,8 +110,8 @@ class UniRLModule(pl.LightningModule):
 
     def __init__(
         self,
-        generator: ComponentGenerator | FlowGenerator = lazy_instance(ComponentGenerator),
-        llm: CausalLMExpert | None = lazy_instance(TinyCausalLMExpert),
+        generator: ComponentGenerator | FlowGenerator = lazy_default(ComponentGenerator),
+        llm: CausalLMExpert | None = lazy_default(TinyCausalLMExpert),
         pipeline_path: str | None = None,
         mode: Literal["joint", "prompt_only", "generator_only"] = "joint",
         rollout: RolloutConfig = RolloutConfig(),
@@ -123,8 +123,8 @@ class UniRLModule(pl.LightningModule):
         transformer_optimizer: OptimizerCallable = _default_dit_optimizer,
         llm_loss: ExpertLoss = ExpertLoss(),
         transformer_loss: ExpertLoss = ExpertLoss(clip_eps=1e-4, beta=0.004),
-        generator_algorithm: GeneratorAlgorithm = lazy_instance(FlowGRPO),
-        llm_algorithm: RefinerAlgorithm = lazy_instance(TokenGRPO),
+        generator_algorithm: GeneratorAlgorithm = lazy_default(FlowGRPO),
+        llm_algorithm: RefinerAlgorithm = lazy_default(TokenGRPO),
         ppo_epochs: int = 1,
         on_stale: Literal["error", "log"] = "error",
         reshard_after_forward: bool = True,

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from jsonargparse import lazy_instance
 from torch import Tensor
 
 from unirl_pl.experts import FlowTransformerExpert, TextEncoderExpert, VAEExpert
+from unirl_pl.lazy_defaults import lazy_default
 from unirl_pl.records import Cond
 
 
@@ -39,9 +39,9 @@ class ComponentGenerator(torch.nn.Module):
 
     def __init__(
         self,
-        transformer: FlowTransformerExpert = lazy_instance(FlowTransformerExpert),
-        text_encoder: TextEncoderExpert = lazy_instance(TextEncoderExpert),
-        vae: VAEExpert | None = lazy_instance(VAEExpert),
+        transformer: FlowTransformerExpert = lazy_default(FlowTransformerExpert),
+        text_encoder: TextEncoderExpert = lazy_default(TextEncoderExpert),
+        vae: VAEExpert | None = lazy_default(VAEExpert),
     ) -> None:
         super().__init__()
         self.transformer, self.text_encoder, self.vae = transformer, text_encoder, vae

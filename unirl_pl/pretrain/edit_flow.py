@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import SD3Transformer2DModel
-from jsonargparse import lazy_instance
 from torch import Tensor
 
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.dit import FlowTransformerExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.generators.in_context import SOURCE_KEY, InContextEditGenerator
+from unirl_pl.lazy_defaults import lazy_default
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.manifest import verify_assets
 from unirl_pl.pretrain.common import build_text_encoder
@@ -44,8 +44,8 @@ class EditFlowPretrain(FlowMatchingPretrain):
 
     def __init__(
         self,
-        transformer: FlowTransformerExpert = lazy_instance(FlowTransformerExpert),
-        text_encoder: TextEncoderExpert = lazy_instance(TextEncoderExpert),
+        transformer: FlowTransformerExpert = lazy_default(FlowTransformerExpert),
+        text_encoder: TextEncoderExpert = lazy_default(TextEncoderExpert),
         init_transformer_path: str | None = None,
         **kwargs: Any,
     ) -> None:

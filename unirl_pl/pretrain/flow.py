@@ -11,13 +11,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from diffusers import SD3Transformer2DModel
-from jsonargparse import lazy_instance
 from torch import Tensor
 
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.dit import FlowTransformerExpert
 from unirl_pl.experts.text_encoder import TextEncoderExpert
 from unirl_pl.generators import ComponentGenerator
+from unirl_pl.lazy_defaults import lazy_default
 from unirl_pl.loops import DiffusionDenoise, RolloutConfig
 from unirl_pl.manifest import write_manifest
 from unirl_pl.pretrain.common import build_text_encoder, warmup_cosine, weights_sha256
@@ -80,8 +80,8 @@ class FlowMatchingPretrain(pl.LightningModule):
 
     def __init__(
         self,
-        transformer: FlowTransformerExpert = lazy_instance(FlowTransformerExpert),
-        text_encoder: TextEncoderExpert = lazy_instance(TextEncoderExpert),
+        transformer: FlowTransformerExpert = lazy_default(FlowTransformerExpert),
+        text_encoder: TextEncoderExpert = lazy_default(TextEncoderExpert),
         lr: float = 6e-4,
         weight_decay: float = 0.0,
         warmup_steps: int = 100,

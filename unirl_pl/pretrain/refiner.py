@@ -9,11 +9,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from jsonargparse import lazy_instance
 from torch import Tensor
 
 from unirl_pl.experts._common import seeded_cpu_init
 from unirl_pl.experts.llm import TinyCausalLMExpert
+from unirl_pl.lazy_defaults import lazy_default
 from unirl_pl.loops import ARDecode, RolloutConfig
 from unirl_pl.manifest import write_manifest
 from unirl_pl.pretrain.common import warmup_cosine, weights_sha256
@@ -83,7 +83,7 @@ class RefinerSFT(pl.LightningModule):
 
     def __init__(
         self,
-        llm: TinyCausalLMExpert = lazy_instance(TinyCausalLMExpert),
+        llm: TinyCausalLMExpert = lazy_default(TinyCausalLMExpert),
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 50,

@@ -174,7 +174,7 @@ class RewardServer:
         self._thread = threading.Thread(target=self._run, name=f"reward-server-{self.reward_name}", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # before multiprocessing's own exit, which would wait for the worker forever
-        while not self._healthy():  # LitServe starts uvicorn once its worker has built the reward
+        while not self.healthy():  # LitServe starts uvicorn once its worker has built the reward
             if self._setup_errors.poll():
                 self._stopped.wait(timeout=30)  # LitServe stops on its own once the worker reports the failure
                 raise ValueError(self._setup_errors.recv())
@@ -206,7 +206,8 @@ class RewardServer:
         finally:
             self._stopped.set()
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
+        """Whether ``GET /health`` answers, within 2 s, that this reward is served."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         conn = http.client.HTTPConnection(host, self.port, timeout=2)
         try:
