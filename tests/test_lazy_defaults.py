@@ -26,7 +26,7 @@ def test_lazy_default_is_the_lazy_instance_jsonargparse_makes():
     ours = lazy_default(Part, width=8)
     theirs = lazy_instance(Part, width=8)
     assert type(ours) is type(theirs), "the same class, kept on this module, as jsonargparse's"
-    assert type(ours).__module__ == __name__ and getattr(sys.modules[__name__], "LazyInstance_Part") is type(ours)
+    assert type(ours).__module__ == __name__ and sys.modules[__name__].LazyInstance_Part is type(ours)
     assert isinstance(ours, Part)
     assert ours.lazy_get_init_data().as_dict() == theirs.lazy_get_init_data().as_dict()
     assert ours.lazy_get_init_data().as_dict() == {"class_path": f"{__name__}.Part", "init_args": {"width": 8}}
