@@ -261,8 +261,8 @@ def _limited_servers() -> Iterator[list[RewardServer]]:
 @pytest.fixture
 def limited(_limited_servers: list[RewardServer]) -> RewardServer:
     """A brightness server with ``LIMITS``, shared by the module's tests. One that stopped answering (seen once in
-    CI under full load, never reproduced) is replaced, with a warning, so that the tests after it each keep their
-    own verdict rather than all timing out on it."""
+    a fresh-clone run under full load, never reproduced) is replaced, with a warning, so that the tests after it
+    each keep their own verdict rather than all timing out on it."""
     if not _limited_servers[-1].healthy():
         _limited_servers[-1].close()
         _limited_servers.append(serve("brightness", **LIMITS))
