@@ -31,7 +31,6 @@ NOT_INSTALLED = {
     "open_clip": "open_clip_torch",
     "hpsv2": "hpsv2",
     "tensorboard": "tensorboard",
-    "scipy": "scipy",
     "PIL": "pillow",
     "yaml": "pyyaml",
     "litserve": "litserve",
