@@ -19,7 +19,8 @@ tracker) and every later one stands in:
   or held by checkpointing) until its backward, which raises the peak by the template's backward rise, frees
   them, and gives the inputs and the trainable parameters their gradients (FSDP2 then reduces those as a
   block's). The template's backward is measured between gradient hooks on its outputs and inputs; it runs after
-  the stand-ins' (the first block is the last to backpropagate), so their raises wait until it is known.
+  the stand-ins' (the template is the second block: the first backpropagates last and alone frees what every
+  copy saved), so their raises wait until it is known.
 
 What each stand-in leaves held is checked against its template's: a difference stops the plan with an error
 naming the block (``--trace-every-block`` traces without stand-ins) rather than giving a wrong figure; so does a
@@ -142,17 +143,20 @@ class BlockStandIns:
         stride, dtype, device and gradient flag, each KV cache's length at this block's layer, the other arguments'
         values (or types), autograd and checkpointing on or off, the tracker's recomputation flag, whether the
         tracker has seen the block's modules (the first call files FSDP2's all-gathered parameters as parameters),
-        and with autograd the pass through the stack and whether the block is its last copy."""
+        and with autograd the pass through the stack and whether the block is its first or last copy."""
         layer = layer_index(block)
         seen = all(m in self.tracker.memory_tracking for m in block.modules() if m is not block)
         stack, fingerprint, last = self.blocks[block]
         grad = torch.is_grad_enabled()
-        if grad and self._first.setdefault((stack, fingerprint), block) is block:
+        first = grad and self._first.setdefault((stack, fingerprint), block) is block
+        if first:
             self._passes[stack, fingerprint] = self._passes.get((stack, fingerprint), 0) + 1
         parts: list[Any] = [
             stack,
             fingerprint,
             last and grad,
+            # The first copy backpropagates last, alone freeing what every copy saved: no template for the others.
+            first,
             # With autograd, each pass through the stack (a guided step's conditional and unconditional forwards)
             # has its own traced copy: a stand-in's backward rise is its own pass's.
             self._passes.get((stack, fingerprint)) if grad else None,
