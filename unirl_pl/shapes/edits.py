@@ -36,9 +36,9 @@ from unirl_pl.shapes.render import (
     GAP,
     SLOT_MARGIN,
     Placement,
-    _scaled_object_size,
     draw,
     relation_holds_boxes,
+    scaled_object_size,
     shape_mask,
 )
 from unirl_pl.shapes.scenes import COLORS, RELATIONS, SHAPES
@@ -204,7 +204,7 @@ def _place(
         cells = np.arange(slots * slots)
         x0, y0 = cells % slots * pitch + SLOT_MARGIN, cells // slots * pitch + SLOT_MARGIN
     else:
-        lo, hi = _scaled_object_size(size)
+        lo, hi = scaled_object_size(size)
         side = int(rng.integers(lo, hi + 1)) if side is None else side
         span = np.arange(EDGE_MARGIN, size - EDGE_MARGIN - side + 1)
         y0, x0 = (grid.ravel() for grid in np.meshgrid(span, span, indexing="ij"))

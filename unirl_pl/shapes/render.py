@@ -100,7 +100,7 @@ def layout(
     """
     if slots:
         return _slot_layout(spec, rng, size, slots)
-    lo, hi = object_size or _scaled_object_size(size)
+    lo, hi = object_size or scaled_object_size(size)
     if not 1 <= lo <= hi or hi + 2 * EDGE_MARGIN > size:
         raise ValueError(f"object sizes {lo}..{hi} do not fit a {size}x{size} canvas")
     items: list[tuple[str, str]] = []
@@ -149,7 +149,7 @@ def _slot_layout(spec: SceneSpec, rng: np.random.Generator, size: int, slots: in
             return placed
 
 
-def _scaled_object_size(size: int) -> tuple[int, int]:
+def scaled_object_size(size: int) -> tuple[int, int]:
     """Object side range for a canvas, scaled linearly from the 32x32 calibration."""
     lo, hi = OBJECT_SIZE_AT_32
     return max(3, round(lo * size / DEFAULT_SIZE)), max(3, round(hi * size / DEFAULT_SIZE))
