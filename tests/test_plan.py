@@ -365,9 +365,9 @@ def test_promptrl_recipes_build_both_experts_fully_fine_tuned(name):
         assert sum(p.numel() for p in unique(reference)) == sum(p.numel() for p in unique(policy))
     count = sum(p.numel() for p in trained)
     with mode:
-        optimizers, _ = steady_state(experts, recipe, [Role.GENERATOR, Role.REFINER])
+        optimizers = steady_state(experts, recipe, [Role.GENERATOR, Role.REFINER])
         tracker = PlanMemTracker(sum(p.numel() * p.element_size() for p in trained))
-        tracker.track_external(*experts.modules(), *optimizers)
+        tracker.track_external(*experts.modules(), *(o.optimizer for o in optimizers))
         held = tracker.current().trainable
     # Weights, gradients and AdamW's two moments in float32, and AdamW's float32 step counter per tensor.
     assert 3 * 4 * count <= held <= 4 * 4 * count + 4 * len(trained), (held, count)

@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from unirl_pl.card import Card, Loop, Role
 from unirl_pl.distributed import shard_experts
-from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.models import (
     DEFAULT_PIPELINES,
@@ -41,6 +40,7 @@ from unirl_pl.plan.models import (
     real_experts,
     resolve_folder,
 )
+from unirl_pl.plan.optimizers import StepOptimizer
 from unirl_pl.plan.recipe import StepRecipe
 from unirl_pl.plan.rewards import PlannedReward, planned_rewards, reward_models, score
 from unirl_pl.plan.search import Candidate, MicroBatchSearch
@@ -179,24 +179,25 @@ def shard(experts: FakeExperts, trained: list[str], mesh: Any, reshard_after_for
     shard_experts(parts, trained, mesh, reshard_after_forward)
 
 
-def steady_state(
-    experts: FakeExperts, recipe: StepRecipe, trained: list[str]
-) -> tuple[list[torch.optim.Optimizer], list[ExpertLoss]]:
+def steady_state(experts: FakeExperts, recipe: StepRecipe, trained: list[str]) -> list[StepOptimizer]:
     """Give every trainable parameter a gradient and build each trained expert's optimizer with its state
-    (one step on zero gradients), as a running fit holds them between steps; run inside the plan's mode.
-    Returns the optimizers and each one's loss settings."""
-    optimizers, losses = [], []
+    (one step on zero gradients), as a running fit holds them between steps; run inside the plan's mode."""
+    optimizers = []
     for name, models in expert_groups(experts).items():
         if name not in trained:
             continue
         params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
         for param in params:
             param.grad = torch.zeros_like(param)
-        optimizer = (recipe.transformer_optimizer if name == Role.GENERATOR else recipe.llm_optimizer)(params)
+        factory, loss = (
+            (recipe.transformer_optimizer, recipe.transformer_loss)
+            if name == Role.GENERATOR
+            else (recipe.llm_optimizer, recipe.llm_loss)
+        )
+        optimizer = StepOptimizer(factory, params, loss.grad_clip)
         optimizer.step()
         optimizers.append(optimizer)
-        losses.append(recipe.transformer_loss if name == Role.GENERATOR else recipe.llm_loss)
-    return optimizers, losses
+    return optimizers
 
 
 def plan_step(
@@ -278,8 +279,8 @@ def plan_step(
             with tensors:
                 shard(experts, trained, mesh, recipe.reshard_after_forward)
         with tensors, AllRowsReal():
-            optimizers, losses = steady_state(experts, recipe, trained)
-            tracer = Tracer(experts, optimizers, losses, log, stand_ins=mode is not None and not every_block)
+            optimizers = steady_state(experts, recipe, trained)
+            tracer = Tracer(experts, optimizers, log, stand_ins=mode is not None and not every_block)
             fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained, rewards)
             searcher = MicroBatchSearch(tracer, experts, recipe, sizes, trained, fixed)
             result.candidates = searcher.candidates

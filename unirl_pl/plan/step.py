@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from unirl_pl.loops import ARDecode, DiffusionDenoise, RolloutConfig
-from unirl_pl.method.loss_settings import ExpertLoss
 from unirl_pl.plan import phases
 from unirl_pl.plan.blocks import BlockStandIns
 from unirl_pl.plan.models import FakeExperts
+from unirl_pl.plan.optimizers import StepOptimizer, local_shard
 from unirl_pl.plan.recipe import StepRecipe
 from unirl_pl.plan.tracker import PlanMemTracker
 from unirl_pl.versioning import FeatureCache, VersionLedger
@@ -101,7 +101,7 @@ def step_sizes(recipe: StepRecipe, refines: bool, prompt_tokens: int) -> StepSiz
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes one rank holds of ``tensor`` (its local shard when it is an FSDP2 ``DTensor``)."""
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    local = local_shard(tensor)
     return local.numel() * local.element_size()
 
 
@@ -110,8 +110,7 @@ class Tracer:
 
     Args:
         experts: The experts (fake for a plan, real to check one).
-        optimizers: The trained experts' optimizers (their state is resident).
-        losses: Each optimizer's expert loss settings (its gradient clip).
+        optimizers: The trained experts' optimizers, stepped as on GPUs (their state is resident).
         log: Progress messages (one line per trace).
         stand_ins: Stand in for the repeated calls of identical blocks
             (:mod:`unirl_pl.plan.blocks`: the same peak in a fraction of the time); off traces every block.
@@ -120,12 +119,11 @@ class Tracer:
     def __init__(
         self,
         experts: FakeExperts,
-        optimizers: list[torch.optim.Optimizer],
-        losses: list[ExpertLoss],
+        optimizers: list[StepOptimizer],
         log: Callable[[str], None],
         stand_ins: bool = True,
     ) -> None:
-        self.experts, self.optimizers, self.losses, self.log = experts, optimizers, losses, log
+        self.experts, self.optimizers, self.log = experts, optimizers, log
         self.stand_ins = stand_ins
         self.stood_in = 0
         params = {id(p): p for m in experts.modules() for p in m.parameters() if p.requires_grad}
@@ -135,7 +133,7 @@ class Tracer:
     def tracking(self, name: str, resident: dict[str, torch.Tensor]) -> Iterator[PlanMemTracker]:
         """A tracker over one trace named ``name`` with the models, optimizer state and ``resident`` tensors."""
         tracker = PlanMemTracker(self.trainable_bytes)
-        tracker.track_external(*self.experts.modules(), *self.optimizers, *resident.values())
+        tracker.track_external(*self.experts.modules(), *(o.optimizer for o in self.optimizers), *resident.values())
         start = time.monotonic()
         with tracker:
             if self.stand_ins:
@@ -220,7 +218,7 @@ def train_step(
     before) a buffer of that size stands in for its graph during the DiT's update and the refiner's
     forward and backward are not traced again (``lm_update`` is then not marked)."""
     for optimizer in tracer.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
     before = tracker.current().total
     lm_out = stand_in = None
     if lm_trained and experts.llm is not None and held_graph is None:
@@ -247,10 +245,7 @@ def train_step(
     if lm_out is not None and not lm_out.backpropagated:
         lm_out.loss.backward()
     del stand_in
-    for optimizer, settings in zip(tracer.optimizers, tracer.losses, strict=True):
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, settings.grad_clip)
+    for optimizer in tracer.optimizers:
         optimizer.step()
     backward = tracker.mark("lm_backward")
     if held_graph is None:
