@@ -24,6 +24,7 @@ OVERLAYS = [
     "recipes/algorithms/grpo_guard.yaml",
     "recipes/algorithms/mix_grpo.yaml",
     "recipes/algorithms/mix_grpo_flash.yaml",
+    "recipes/overlays/promptrl.yaml",
 ]
 RECIPES = [
     "recipes/sd35.yaml",
@@ -37,22 +38,27 @@ RECIPES = [
     "recipes/zimage.yaml",
     "recipes/zimage_turbo.yaml",
     "recipes/qwenimage.yaml",
+    "recipes/qwenimage_edit_plus.yaml",
+    "recipes/promptrl_klein.yaml",
+    "recipes/promptrl_flux.yaml",
+    "recipes/promptrl_kontext.yaml",
 ]
+# A section that lists only what differs from another recipe's takes that one's row ("Everything not listed is as").
+AS = {"recipes/promptrl_flux.yaml": "recipes/promptrl_klein.yaml"}
 SETTING = re.compile(
     r"`(llm|transformer)_loss\.mini_batches: (\d+)`, `mini_batch_split: (\w+)`(?:, `drop_zero_advantage: (\w+)`)?"
 )
 
 
-def stated(rel: str) -> tuple[str, int, str, bool]:
-    """(expert, mini_batches, split, drop) as the section's "updates per rollout" row states ours."""
-    lines = section_for(DOC.read_text(), rel)
+def stated(rel: str) -> list[tuple[str, int, str, bool]]:
+    """(expert, mini_batches, split, drop) of each expert the section's "updates per rollout" row states ours for."""
+    lines = section_for(DOC.read_text(), AS.get(rel, rel))
     assert lines is not None, f"docs/reproduce.md has no section for {rel}"
     rows = [row for row in table_rows(lines) if row.lstrip("| ").startswith("updates per rollout")]
     assert len(rows) == 1, f"{rel}: expected one 'updates per rollout' row, found {len(rows)}"
-    match = SETTING.search(rows[0].split("|")[2])
-    assert match, f"{rel}: the row's 'ours' column must name `<expert>_loss.mini_batches: N`, `mini_batch_split: X`"
-    expert, count, split, drop = match.groups()
-    return expert, int(count), split, drop == "true"
+    found = SETTING.findall(rows[0].split("|")[2])
+    assert found, f"{rel}: the row's 'ours' column must name `<expert>_loss.mini_batches: N`, `mini_batch_split: X`"
+    return [(expert, int(count), split, drop == "true") for expert, count, split, drop in found]
 
 
 def resolved(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
@@ -64,10 +70,12 @@ def resolved(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, A
 @pytest.mark.slow
 @pytest.mark.parametrize("rel", OVERLAYS + RECIPES)
 def test_print_config_resolves_the_updates_per_rollout_its_row_states(rel: str, capsys) -> None:
-    expert, count, split, drop = stated(rel)
     config = ["--config", str(ROOT / "recipes" / "joint.yaml")] if rel in OVERLAYS else []
-    loss = resolved([*config, "--config", str(ROOT / rel)], capsys)[f"{expert}_loss"]
-    assert (loss["mini_batches"], loss["mini_batch_split"], loss["drop_zero_advantage"]) == (count, split, drop), rel
+    model = resolved([*config, "--config", str(ROOT / rel)], capsys)
+    for expert, count, split, drop in stated(rel):
+        loss = model[f"{expert}_loss"]
+        got = (loss["mini_batches"], loss["mini_batch_split"], loss["drop_zero_advantage"])
+        assert got == (count, split, drop), (rel, expert)
 
 
 def test_the_row_pattern_reads_a_row() -> None:
@@ -75,3 +83,6 @@ def test_the_row_pattern_reads_a_row() -> None:
     assert SETTING.search(row).groups() == ("transformer", "2", "sample", None)
     assert SETTING.search("`llm_loss.mini_batches: 16`, `mini_batch_split: group`, `drop_zero_advantage: true`")
     assert SETTING.search("`mini_batches: 2`") is None
+    both = "1 each (`llm_loss.mini_batches: 1`, `mini_batch_split: group`; `transformer_loss.mini_batches: 1`, "
+    both += "`mini_batch_split: sample`)"
+    assert SETTING.findall(both) == [("llm", "1", "group", ""), ("transformer", "1", "sample", "")]

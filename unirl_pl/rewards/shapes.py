@@ -6,7 +6,6 @@ rewriting the request into something easier, only by helping the generator draw 
 
 from __future__ import annotations
 
-from collections import defaultdict
 from functools import lru_cache
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from unirl_pl.rewards.base import Reward
 from unirl_pl.shapes.prompts import spec_of
 from unirl_pl.shapes.scenes import CATEGORIES, SceneSpec, requested_objects
-from unirl_pl.shapes.verify import Verdict, verify
+from unirl_pl.shapes.verify import Verdict, grouped_scores, verify
 
 SCORES: tuple[str, ...] = ("soft", "strict")
 # Every key ``breakdown`` can report, in its order: validation logs one metric per key on every rank, so they
@@ -107,17 +106,7 @@ class ShapesGenEval(Reward):
         key is one of :attr:`breakdown_keys`.
         """
         verdicts = _verdicts(prompts, images, self.penalize_extra)
-        groups: dict[str, list[Verdict]] = defaultdict(list)
-        for prompt, verdict in zip(prompts, verdicts, strict=True):
-            groups[_cached_spec(prompt).category].append(verdict)
-        groups["overall"] = verdicts
-        out: dict[str, tuple[float, int]] = {}
-        for name in (*CATEGORIES, "overall"):
-            if groups.get(name):
-                n = len(groups[name])
-                out[f"strict/{name}"] = (float(np.mean([v.strict for v in groups[name]])), n)
-                out[f"soft/{name}"] = (float(np.mean([v.soft for v in groups[name]])), n)
-        return out
+        return grouped_scores([_cached_spec(p).category for p in prompts], verdicts, CATEGORIES)
 
     def per_category(self, prompts: list[str], images: torch.Tensor) -> dict[str, float]:
         """Mean strict and soft scores per category and overall, keyed like ``strict/counting``."""

@@ -20,9 +20,9 @@ fails at least one target constraint for every kind: a move's source never satis
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from unirl_pl.shapes.verify import (
     Detection,
     as_float_hwc,
     detect,
+    grouped_scores,
     relation_holds,
 )
 
@@ -67,9 +68,15 @@ def _of(detections: list[Detection], p: Placement) -> list[Detection]:
     return [d for d in detections if d.color == p.color and d.shape == p.shape]
 
 
+@lru_cache(maxsize=4096)
+def _clean_centroid(p: Placement) -> tuple[float, float]:
+    """``expected_detection(p).centroid``, computed once per placement: every verdict asks it of each object."""
+    return expected_detection(p).centroid
+
+
 def _found(detections: list[Detection], p: Placement, tol_px: float) -> bool:
     """Whether some detection has ``p``'s color and shape within ``tol_px`` of its clean centroid."""
-    x, y = expected_detection(p).centroid
+    x, y = _clean_centroid(p)
     return any(math.hypot(d.centroid[0] - x, d.centroid[1] - y) <= tol_px for d in _of(detections, p))
 
 
@@ -128,14 +135,4 @@ def edit_breakdown(
     batch are left out; ``overall`` is the mean over images.
     """
     verdicts = [verify_edit(edit, image) for edit, image in zip(edits, images, strict=True)]
-    groups: dict[str, list[EditVerdict]] = defaultdict(list)
-    for edit, verdict in zip(edits, verdicts, strict=True):
-        groups[edit.kind].append(verdict)
-    groups["overall"] = verdicts
-    out: dict[str, tuple[float, int]] = {}
-    for name in (*EDIT_KINDS, "overall"):
-        if groups.get(name):
-            n = len(groups[name])
-            out[f"strict/{name}"] = (float(np.mean([v.strict for v in groups[name]])), n)
-            out[f"soft/{name}"] = (float(np.mean([v.soft for v in groups[name]])), n)
-    return out
+    return grouped_scores([edit.kind for edit in edits], verdicts, EDIT_KINDS)

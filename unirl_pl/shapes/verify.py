@@ -12,7 +12,10 @@ exact number of the named kind.
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -257,3 +260,30 @@ def verify(
     constraints = check(spec, detections, img.shape[:2], penalize_extra)
     passed = sum(constraints.values())
     return Verdict(passed == len(constraints), passed / len(constraints), constraints, tuple(detections))
+
+
+class Scored(Protocol):
+    """A verifier's verdict on one image (:class:`Verdict`, ``edit_verify.EditVerdict``)."""
+
+    strict: bool
+    soft: float
+
+
+def grouped_scores(
+    groups: Sequence[str], verdicts: Sequence[Scored], order: Sequence[str]
+) -> dict[str, tuple[float, int]]:
+    """``{key: (mean, count)}`` of the strict and soft scores of ``verdicts`` per group and overall
+    (``strict/<group>``, ``soft/overall``), the groups in ``order`` (``groups[i]`` is verdict i's). Counts let a
+    caller average exactly over batches of different composition; groups absent from the batch are left out;
+    ``overall`` is the mean over every verdict."""
+    members: dict[str, list[Scored]] = defaultdict(list)
+    for group, verdict in zip(groups, verdicts, strict=True):
+        members[group].append(verdict)
+    members["overall"] = list(verdicts)
+    out: dict[str, tuple[float, int]] = {}
+    for name in (*order, "overall"):
+        if members.get(name):
+            n = len(members[name])
+            out[f"strict/{name}"] = (float(np.mean([v.strict for v in members[name]])), n)
+            out[f"soft/{name}"] = (float(np.mean([v.soft for v in members[name]])), n)
+    return out
