@@ -9,9 +9,9 @@ every second moment of a dtype at once (``_foreach_sqrt``), the loop one paramet
 ``foreach`` as CUDA does.
 
 Under FSDP2 the plan steps each rank's local shards: the tensors a ``DTensor`` step allocates (a ``DTensor``
-owns no storage beyond its local tensor), without DTensor's sharding propagation, which a fake trace pays for
-every operator on a list of shards (about a fifth of a real-size FSDP2 plan's time). Each rank's gradient norm is
-then its own: a fit all-reduces it, a few bytes.
+owns no storage beyond its local tensor; byte-equal on a tiny FSDP2 model, ``tests/test_plan_optimizers.py``),
+without DTensor's sharding propagation, which a fake trace pays for every operator on a list of shards (Qwen-Image's
+plan: 93 s before, 84 s after). Each rank's gradient norm is then its own; a fit all-reduces it.
 """
 
 from __future__ import annotations
