@@ -213,14 +213,17 @@ def test_stand_ins_restore_the_blocks_forward():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "fsdp2-2-ranks-unsharded-after-forward"])
-def test_tiny_plan_with_stand_ins_equals_tracing_every_block(tmp_path, sharded):
+def test_tiny_plan_with_stand_ins_equals_tracing_every_block(tmp_path, sharded, monkeypatch):
     """A plan of the sd35 recipe on a 4-block SD3 transformer and a 4-layer refiner (fake: only the configs are read)
     gives every phase the same bytes with the stand-ins as with ``every_block``, and says how many stood in; also
     under FSDP2 over 2 fake ranks keeping the all-gathered blocks after forward (FSDP's hooks run around each
-    stand-in; the first forward files a block's all-gathered parameters as parameters)."""
+    stand-in; the first forward files a block's all-gathered parameters as parameters). The plan traced every block
+    also makes every view through the fake mode (``unirl_pl.plan.fake_views`` off), so its views' bytes are checked
+    too: the fast plan made thousands of them its own way."""
     from tests.chat_lm import make_qwen2_chat_lm
     from tests.pipelines import make_sd3_pipeline
     from tests.test_plan import ROOT, SD35, TINY, _overrides, _plan_tiny
+    from unirl_pl.plan import fake_views, tracker
     from unirl_pl.plan.recipe import parsed_recipe, step_recipe
 
     pipeline = make_sd3_pipeline(tmp_path / "sd3")
@@ -237,8 +240,18 @@ def test_tiny_plan_with_stand_ins_equals_tracing_every_block(tmp_path, sharded):
         args += ["--config", str(ROOT / "recipes" / "fsdp.yaml"), "--data.prompts_per_step=4"]
         args += ["--model.reshard_after_forward=false"]
     recipe = step_recipe(parsed_recipe(args), devices=2 if sharded else 1)
+    views = [0]
+
+    def counted(*call):
+        view = fake_views.fake_view(*call)
+        views[0] += view is not None  # counted, not kept: a view kept here would hold its storage
+        return view
+
+    monkeypatch.setattr(tracker, "fake_view", counted)
     fast = _plan_tiny(recipe, (pipeline, str(lm)), search=False)
+    monkeypatch.setattr(tracker, "fake_view", lambda *call: None)
     full = _plan_tiny(recipe, (pipeline, str(lm)), every_block=True, search=False)
+    assert views[0] > 1000, views
     assert fast.fsdp == sharded
     assert fast.stood_in > 0 and full.stood_in == 0
     assert any("stood in" in note for note in fast.notes) and not any("stood in" in note for note in full.notes)

@@ -50,15 +50,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
-from unirl_pl.plan.stacks import (
-    TensorLike,
-    cache_class,
-    checkpointing,
-    layer_index,
-    repeated_blocks,
-)
+from unirl_pl.plan.snapshots import Snapshot, snapshot_add, snapshot_diff
+from unirl_pl.plan.stacks import TensorLike, cache_class, checkpointing, layer_index, repeated_blocks
 from unirl_pl.plan.standin_autograd import BackwardWindow, StandInCall, StandInFunction
-from unirl_pl.plan.tracker import PlanMemTracker, Snapshot, snapshot_add, snapshot_diff
+from unirl_pl.plan.tracker import PlanMemTracker
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
+from unirl_pl.plan.snapshots import Snapshot, snapshot_add, snapshot_diff
 from unirl_pl.plan.stacks import TensorLike
-from unirl_pl.plan.tracker import PlanMemTracker, Snapshot, snapshot_add, snapshot_diff
+from unirl_pl.plan.tracker import PlanMemTracker
 
 
 class BackwardWindow:

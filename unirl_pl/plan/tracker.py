@@ -1,25 +1,25 @@
 """Peak memory of one phase of an RL step, by category, as torch's memory tracker records it.
 
-:class:`PlanMemTracker` is ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode``
-that sees every tensor an operator creates and files its storage as parameter, buffer, gradient,
-activation, temporary or optimizer state) with three changes a LoRA RL step needs:
+:class:`PlanMemTracker` is ``torch.distributed._tools.mem_tracker.MemTracker`` (a ``TorchDispatchMode`` that sees
+every tensor an operator creates and files its storage as parameter, buffer, gradient, activation, temporary or
+optimizer state) with the changes a LoRA RL step needs:
 
-- gradient hooks go on trainable parameters only: ``MemTracker`` hooks every parameter of a module it
-  enters, and ``register_hook`` refuses a frozen (LoRA base) parameter;
-- only the global peak is kept: updating every tracked module's own peak after each operator costs
-  O(modules) per operator, which made a real-size DiT trace take minutes instead of seconds;
-- a top-level module may run more than once (guidance rows, the reference forward of the KL, one
-  forward per denoising step): ``MemTracker`` takes a second root call for a second training iteration
-  and raises, so the root's per-module record restarts instead (the global peak keeps counting);
-- no per-module statistics: ``MemTracker``'s module hooks deep-copy a snapshot and sum the input and output
-  bytes of every module call for its per-module report, which the plan never reads; its operator hook maps
-  every result through a pytree. The hooks here keep only what the global peak depends on (the parameters and
-  gradient hooks of a module seen first, the recomputation flag of checkpointing), which took a third of a
-  real-size trace's CPU off (the same bytes: see each override).
+- gradient hooks go on trainable parameters only: ``MemTracker`` hooks every parameter of a module it enters, and
+  ``register_hook`` refuses a frozen (LoRA base) parameter;
+- only the global peak is kept: updating every tracked module's own peak after each operator costs O(modules) per
+  operator, which made a real-size DiT trace take minutes instead of seconds;
+- a top-level module may run more than once (guidance rows, the reference forward of the KL, one forward per
+  denoising step): ``MemTracker`` takes a second root call for a second training iteration and raises, so the
+  root's per-module record restarts instead (the global peak keeps counting);
+- no per-module statistics: ``MemTracker``'s module hooks deep-copy a snapshot and sum the input and output bytes of
+  every module call for its per-module report, which the plan never reads; its operator hook maps every result
+  through a pytree. The hooks here keep only what the global peak depends on (the parameters and gradient hooks of
+  a module seen first, the recomputation flag of checkpointing), which took a third of a real-size trace's CPU off
+  (the same bytes: see each override).
 
-:class:`Usage` splits a peak snapshot into what the plan reports: frozen weights, the trainable state
-(LoRA parameters, their gradients and optimizer state), activations, temporaries, and the experience the
-step keeps resident (the tensors handed to :meth:`PlanMemTracker.track_external` that are not module state).
+:class:`Usage` splits a peak snapshot into what the plan reports: frozen weights, the trainable state (LoRA
+parameters, their gradients and optimizer state), activations, temporaries, and the experience the step keeps
+resident (the tensors handed to :meth:`PlanMemTracker.track_external` that are not module state).
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from unirl_pl.plan.fake_views import fake_view
+from unirl_pl.plan.snapshots import Snapshot
+
 GiB = float(2**30)
 PRIM_DEVICE = torch.ops.prim.device.default
 LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
@@ -53,31 +56,6 @@ CARRIED_NUMEL = 1 << 16
 UNDEFINED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 """Operators whose results have no defined values to carry."""
 _UNKNOWN = object()
-
-Snapshot = dict[Any, dict[Any, int]]
-"""A tracker snapshot: device -> reference type (and ``_TOTAL_KEY``) -> bytes."""
-
-
-def snapshot_diff(after: Snapshot, before: Snapshot) -> Snapshot:
-    """``after - before`` per device and key, keeping the non-zero entries only (so equal changes compare equal)."""
-    out: Snapshot = {}
-    for device in after.keys() | before.keys():
-        a, b = after.get(device, {}), before.get(device, {})
-        changed = {key: a.get(key, 0) - b.get(key, 0) for key in a.keys() | b.keys()}
-        changed = {key: value for key, value in changed.items() if value}
-        if changed:
-            out[device] = changed
-    return out
-
-
-def snapshot_add(base: Snapshot, change: Snapshot) -> Snapshot:
-    """``base + change`` per device and key."""
-    out = {device: dict(keys) for device, keys in base.items()}
-    for device, keys in change.items():
-        target = out.setdefault(device, {})
-        for key, value in keys.items():
-            target[key] = target.get(key, 0) + value
-    return out
 
 
 @dataclass(frozen=True)
@@ -293,23 +271,23 @@ class PlanMemTracker(MemTracker):
 class AllRowsReal(TorchDispatchMode):
     """Answers the questions about a fake tensor's values that shapes cannot: a fake tensor has none.
 
-    The losses compute their ratio statistics over the real (masked-in) tokens, ``ratio[mask]`` after
-    ``mask.any()``; on fake tensors both need values. Under this mode every such question gets the answer
-    of a batch whose rows are all real, the largest case: a boolean is true, a number is 1, ``nonzero``
-    finds every element and a boolean index selects every row. Other operators pass through. Enter it
-    inside ``FakeTensorMode`` (and below any memory tracker), so the tensors it makes are fake and tracked.
+    The losses compute their ratio statistics over the real (masked-in) tokens, ``ratio[mask]`` after ``mask.any()``;
+    on fake tensors both need values. Under this mode every such question gets the answer of a batch whose rows are
+    all real, the largest case: a boolean is true, a number is 1, ``nonzero`` finds every element and a boolean index
+    selects every row. Views are made by :func:`~unirl_pl.plan.fake_views.fake_view` while no values are carried;
+    other operators pass through. Enter it inside ``FakeTensorMode`` (and below any memory tracker), so the tensors
+    it makes are fake and tracked.
 
-    Some inputs have values that set shapes: Qwen2.5-VL's image grid decides how many patches its vision tower
-    runs, how they split into attention windows and how many image tokens the prompt must hold (transformers
-    checks that count, and splits the features per image, from the values). While :meth:`carrying_values` is on,
-    the values of the fake tensors a trace makes from Python data (``torch.tensor`` literals; factories with
-    defined values, such as ``arange``, of at most :data:`CARRIED_NUMEL` elements) are kept beside them on real
-    CPU tensors, and every operator whose tensor inputs all have values computes its result's values too (a
-    data-dependent shape, a ``nonzero`` or a boolean index of such a tensor, gets its true size): such questions
-    get the true answer. A tensor derived from weights or activations has no values and gets the all-rows answer
-    as before; one written in place from such a tensor loses its values. Off by default: the other traces never
-    read a literal's values (a padding mask made from literals would materialise an attention mask the all-rows
-    answer skips).
+    Some inputs have values that set shapes: Qwen2.5-VL's image grid decides how many patches its vision tower runs,
+    how they split into attention windows and how many image tokens the prompt must hold (transformers checks that
+    count, and splits the features per image, from the values). While :meth:`carrying_values` is on, the values of
+    the fake tensors a trace makes from Python data (``torch.tensor`` literals; factories with defined values, such
+    as ``arange``, of at most :data:`CARRIED_NUMEL` elements) are kept beside them on real CPU tensors, and every
+    operator whose tensor inputs all have values computes its result's values too (a data-dependent shape, a
+    ``nonzero`` or a boolean index of such a tensor, gets its true size): such questions get the true answer. A tensor
+    derived from weights or activations has no values and gets the all-rows answer as before; one written in place
+    from such a tensor loses its values. Off by default: the other traces never read a literal's values (a padding
+    mask made from literals would materialise an attention mask the all-rows answer skips).
     """
 
     def __init__(self) -> None:
@@ -369,6 +347,8 @@ class AllRowsReal(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if self.values is None and (view := fake_view(func, args, kwargs)) is not None:
+            return view  # a view allocates nothing: made without the fake mode's checks
         if self.values is not None:
             carried = self._carry(func, args, kwargs)
             if carried is not _UNKNOWN:
