@@ -35,13 +35,18 @@ VIEWS = frozenset(
         aten.select.int,
         aten.unsqueeze.default,
         aten.as_strided.default,
+        aten.split.Tensor,
+        aten.split_with_sizes.default,
+        aten.unbind.int,
     }
 )
-"""Single-output view operators (``OpOverload.is_view``) with a meta kernel: the ones a real-size trace makes most."""
+"""View operators (``OpOverload.is_view``) with a meta kernel, the ones a real-size trace makes most; the last three
+give a list of views (``torch.chunk`` is ``split``: FSDP2 chunks every parameter into its shards)."""
 
 
-def fake_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> FakeTensor | None:
-    """``func(*args)`` for a view in :data:`VIEWS` of a plain fake tensor outside its mode's kernels, else None."""
+def fake_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """``func(*args)`` for a view in :data:`VIEWS` of a plain fake tensor outside its mode's kernels (a fake tensor,
+    or a list of them), else None."""
     if func not in VIEWS or kwargs:
         return None
     tensor = args[0]
@@ -54,4 +59,6 @@ def fake_view(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None) -
         return None
     with in_kernel_invocation_manager(mode):
         out = func(*args)
-    return FakeTensor(mode, out, tensor.fake_device)
+    if isinstance(out, torch.Tensor):
+        return FakeTensor(mode, out, tensor.fake_device)
+    return [FakeTensor(mode, view, tensor.fake_device) for view in out]

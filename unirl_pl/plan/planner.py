@@ -275,10 +275,9 @@ def plan_step(
     if sharded and mode is None:
         raise ValueError("a real-tensor plan runs on one rank; FSDP2 plans are fake")
     with fake_ranks(recipe.devices) if sharded else nullcontext() as mesh:
-        if sharded:
-            with tensors:
+        with tensors, AllRowsReal():  # (sharding under it too: FSDP2's chunks of each parameter are its fast views)
+            if sharded:
                 shard(experts, trained, mesh, recipe.reshard_after_forward)
-        with tensors, AllRowsReal():
             optimizers = steady_state(experts, recipe, trained)
             tracer = Tracer(experts, optimizers, log, stand_ins=mode is not None and not every_block)
             fixed = _fixed_phases(tracer, experts, recipe, sizes, refines, trained, rewards)
