@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from unirl_pl.plan.blocks import BlockStandIns, repeated_blocks
 from unirl_pl.plan.models import to_fake
-from unirl_pl.plan.tracker import PlanMemTracker
+from unirl_pl.plan.tracker import AllRowsReal, PlanMemTracker
 
 LAYERS = 4
 
@@ -209,6 +210,139 @@ def test_stand_ins_restore_the_blocks_forward():
     with tracker, BlockStandIns([model], tracker):
         assert "forward" in model.blocks[0].__dict__
     assert all("forward" not in block.__dict__ for block in model.blocks)
+
+
+# ------------------------------------------------------------------ text encoders: capturing hooks, carried values
+
+
+def test_a_text_encoder_read_for_its_hidden_states_stands_in_and_one_asked_for_attentions_runs():
+    """transformers 5 hooks a model's layers and their attention modules on its first forward asked for an output
+    (a text encoder's ``output_hidden_states``). The hooks below a layer record only what a forward asks for, so the
+    layers stay a stack: read for their hidden states they stand in (the same bytes and hidden states as traced),
+    asked for their attentions they run (each attention map is recorded)."""
+    from unirl_pl.plan.stacks import inner_hooks
+
+    mode = FakeTensorMode()
+    model = fake_lm(mode)
+    model.config._attn_implementation = "eager"  # attention maps are returned (sdpa returns none)
+    with mode:
+        tokens = torch.ones(3, 24, dtype=torch.long)
+        with torch.no_grad():
+            model(input_ids=tokens, output_hidden_states=True)  # installs the capturing hooks
+        layers = model.model.layers
+        assert inner_hooks(layers[0]) == (False, frozenset({"attentions"}))
+        assert all(layer in repeated_blocks([model]) for layer in layers)
+
+        def hidden():
+            with torch.no_grad():
+                return model(input_ids=tokens, output_hidden_states=True).hidden_states
+
+        full_peak, full_held, _ = trace(hidden, [model], stand_ins=False)
+        peak, held, blocks = trace(hidden, [model], stand_ins=True)
+        assert (peak, held) == (full_peak, full_held) and blocks.stood_in == LAYERS - 1
+        tracker = PlanMemTracker()
+        with tracker, BlockStandIns([model], tracker) as blocks, torch.no_grad():
+            out = model(input_ids=tokens, output_hidden_states=True, output_attentions=True)
+        assert blocks.stood_in == 0
+        assert len(out.attentions) == LAYERS and all(a.shape == (3, 4, 24, 24) for a in out.attentions)
+        assert len(out.hidden_states) == LAYERS + 1
+
+
+class Tail(nn.Module):
+    """Returns its inner ``out`` module's output itself: a capturing hook on ``out`` records the block's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inp(x))
+
+
+def test_a_block_whose_inner_hook_records_its_output_runs_while_a_forward_asks_for_it():
+    """A transformers capturing hook below the block whose record is the block's own output leaves nothing else held,
+    so only the forward's request tells that skipping the block would skip the record: each block runs and records
+    (four records); with no request the copies stand in."""
+    from transformers.utils.output_capturing import _active_collector, install_output_capuring_hook
+
+    mode = FakeTensorMode()
+    with torch.device("meta"):
+        model = nn.Module()
+        model.blocks = nn.ModuleList(Tail() for _ in range(4))
+    to_fake([model], mode)
+    for block in model.blocks:
+        install_output_capuring_hook(block.out, "hidden_states", 0, capture_initial_hidden_state=False)
+    with mode, torch.no_grad():
+        for asked, stood_in in ((True, 0), (False, 3)):
+            collected = {"hidden_states": []} if asked else {}
+            token = _active_collector.set(collected)
+            tracker = PlanMemTracker()
+            with tracker, BlockStandIns([model], tracker) as blocks:
+                x = torch.empty(8, 16)
+                for block in model.blocks:
+                    x = block(x)
+            _active_collector.reset(token)
+            assert blocks.stood_in == stood_in
+            assert len(collected.get("hidden_states", [])) == (4 if asked else 0)
+
+
+class Windowed(nn.Module):
+    """Attends within the windows that ``bounds`` (carried values) marks, as Qwen2.5-VL's vision attention splits its
+    patches at ``cu_seqlens``: its bytes follow the values, not the shapes. With ``passes`` it also returns the
+    bounds as a new tensor (their values carried with it)."""
+
+    def __init__(self, passes: bool = False) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.passes = passes
+
+    def forward(self, x: torch.Tensor, bounds: torch.Tensor) -> Any:
+        sizes = (bounds[1:] - bounds[:-1]).tolist()
+        h = self.proj(x)
+        out = torch.cat([(part @ part.T).softmax(-1) @ part for part in h.split(sizes)])
+        return (out, bounds + 0) if self.passes else out
+
+
+def windowed_stack(mode: FakeTensorMode, passes: bool = False) -> nn.Module:
+    with torch.device("meta"):
+        model = nn.Module()
+        model.blocks = nn.ModuleList(Windowed(passes) for _ in range(4))
+    to_fake([model], mode)
+    return model
+
+
+def test_a_block_whose_bytes_follow_carried_values_is_a_kind_per_value():
+    """Two blocks called with windows (32, 32), two with (4, 60): the same shapes, other bytes. With the values of
+    the bounds carried, each is its own kind of call, and the stand-ins peak where tracing every block does."""
+    mode = FakeTensorMode()
+    model = windowed_stack(mode)
+    with mode, AllRowsReal() as rows, rows.carrying_values():
+
+        def run():
+            x = torch.empty(64, 16)  # no values (``ones`` would carry them: the first call a kind of its own)
+            with torch.no_grad():
+                for i, block in enumerate(model.blocks):
+                    x = block(x, torch.tensor([0, 32, 64] if i < 2 else [0, 4, 64]))
+            return x
+
+        full_peak, full_held, _ = trace(run, [model], stand_ins=False)
+        peak, held, blocks = trace(run, [model], stand_ins=True)
+    assert (peak, held) == (full_peak, full_held) and blocks.stood_in == 2 and len(blocks.templates) == 2
+
+
+def test_a_block_that_returns_carried_values_is_traced_so_they_stay_carried():
+    """A stand-in's outputs are new tensors with no values: a block that returns a tensor with carried values is
+    traced at every call, and the last block's bounds still read as their values."""
+    mode = FakeTensorMode()
+    model = windowed_stack(mode, passes=True)
+    with mode, AllRowsReal() as rows, rows.carrying_values():
+        tracker = PlanMemTracker()
+        with tracker, BlockStandIns([model], tracker) as blocks, torch.no_grad():
+            x, bounds = torch.ones(64, 16), torch.tensor([0, 4, 64])
+            for block in model.blocks:
+                x, bounds = block(x, bounds)
+            assert bounds.tolist() == [0, 4, 64]
+    assert blocks.stood_in == 0
 
 
 @pytest.mark.slow

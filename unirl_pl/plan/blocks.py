@@ -40,7 +40,6 @@ import functools
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -51,42 +50,18 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map_only, tree_unflatten
 
 from unirl_pl.plan.snapshots import Snapshot, snapshot_add, snapshot_diff
-from unirl_pl.plan.stacks import TensorLike, cache_class, checkpointing, layer_index, repeated_blocks
+from unirl_pl.plan.stacks import (
+    TensorLike,
+    cache_class,
+    checkpointing,
+    inner_hooks,
+    layer_index,
+    repeated_blocks,
+    requested_outputs,
+)
 from unirl_pl.plan.standin_autograd import BackwardWindow, StandInCall, StandInFunction
-from unirl_pl.plan.tracker import PlanMemTracker
-
-
-@dataclass(frozen=True)
-class _Out:
-    """One output tensor of a template: a view (``shape``, ``stride``, ``offset``) of a new storage (``new``: its
-    index in the template's storages) or of an input's storage (``source``: the input tensor's leaf index), or
-    that input itself (``same``)."""
-
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-    new: int | None = None
-    source: int | None = None
-    same: bool = False
-
-
-@dataclass
-class _Template:
-    """What the traced call of one kind left: its rise over its start, its held bytes, its outputs' layout and the
-    KV-cache entries it added (key and value shapes, dtypes and the ``update`` keyword arguments)."""
-
-    rise: Snapshot
-    held: Snapshot
-    spec: Any
-    outputs: list[Any]
-    storages: list[tuple[int, torch.dtype, torch.device]]
-    updates: list[tuple[torch.Size, torch.dtype, torch.Size, torch.dtype, torch.device, dict]] = field(
-        default_factory=list
-    )
-    saved: int = 0
-    backward: BackwardWindow | None = None
-    kept: list[int] = field(default_factory=list)
+from unirl_pl.plan.templates import Out, Template, stand_in_outputs
+from unirl_pl.plan.tracker import PlanMemTracker, carried_bytes
 
 
 class BlockStandIns:
@@ -103,7 +78,7 @@ class BlockStandIns:
         self.tracker, self.check = tracker, check
         self.mismatches: list[tuple[str, Snapshot, Snapshot, Snapshot, Snapshot]] = []
         self.blocks = repeated_blocks(roots)
-        self.templates: dict[tuple, _Template | None] = {}
+        self.templates: dict[tuple, Template | None] = {}
         self.stood_in = 0
         self._saved: dict[torch.nn.Module, Any] = {}
         self._cache = cache_class()
@@ -163,7 +138,10 @@ class BlockStandIns:
         ]
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+                # With the values of index arithmetic carried, a block's sizes may follow them (Qwen2.5-VL's
+                # vision attention splits its patches at ``cu_seqlens``): they are part of the kind.
+                values = carried_bytes(leaf)
+                parts.append((tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad, values))
             elif self._cache is not None and isinstance(leaf, self._cache):
                 parts.append(("cache", id(leaf), None if layer is None else leaf.get_seq_length(layer)))
             elif leaf is None or isinstance(leaf, (bool, int, float, str)):
@@ -189,6 +167,10 @@ class BlockStandIns:
             # An FSDP2 unit's backward all-gathers, prefetches and reduce-scatters around its recomputation; a
             # stand-in's backward does not reproduce that order, so an FSDP unit trains traced (its forwards without
             # autograd stand in).
+            with self._real():
+                return forward(*args, **kwargs)
+        if inner_hooks(block)[1] & requested_outputs():
+            # A transformers forward asks the hooks inside the block for their outputs (its attentions): it runs.
             with self._real():
                 return forward(*args, **kwargs)
         leaves, spec = tree_flatten((args, kwargs))
@@ -293,11 +275,11 @@ class BlockStandIns:
 
     def _template(
         self, rise: Snapshot, held: Snapshot, out: Any, leaves: list[Any], updates: list, window: BackwardWindow | None
-    ) -> _Template | None:
+    ) -> Template | None:
         """The template of a traced call, or None when its kind cannot stand in: what it left held is not its
         outputs and cache entries (and, with autograd, the tensors saved for its backward), an output storage holds
-        two dtypes, an update went to another layer; with autograd also an output that is or views an input, or a
-        floating output without a gradient."""
+        two dtypes, an update went to another layer, a new output carries values (:meth:`AllRowsReal.carrying_values`);
+        with autograd also an output that is or views an input, or a floating output without a gradient."""
         if any(u is None for u in updates):
             return None
         inputs = {
@@ -314,32 +296,34 @@ class BlockStandIns:
             ref = StorageWeakRef(leaf.untyped_storage())
             view = dict(shape=tuple(leaf.shape), stride=leaf.stride(), offset=leaf.storage_offset(), dtype=leaf.dtype)
             same = next((i for i, t in enumerate(leaves) if t is leaf), None)
+            if same is None and carried_bytes(leaf) is not None:
+                return None  # an output with carried values: a stand-in's would have none
             if window is not None and (same is not None or ref in inputs):
                 return None
             if window is not None and (leaf.is_floating_point() or leaf.is_complex()) and not leaf.requires_grad:
                 return None
             if same is not None:
-                outputs.append(_Out(**view, source=same, same=True))
+                outputs.append(Out(**view, source=same, same=True))
                 continue
             if ref in inputs:
                 if leaves[inputs[ref]].dtype != leaf.dtype:
                     return None
-                outputs.append(_Out(**view, source=inputs[ref]))
+                outputs.append(Out(**view, source=inputs[ref]))
                 continue
             if ref not in storages:
                 storages[ref] = len(layout)
                 layout.append((leaf.untyped_storage().nbytes(), leaf.dtype, leaf.device))
             elif layout[storages[ref]][1] != leaf.dtype:
                 return None
-            outputs.append(_Out(**view, new=storages[ref]))
+            outputs.append(Out(**view, new=storages[ref]))
         made = sum(nbytes for nbytes, _, _ in layout)
         made += sum(k.numel() * kd.itemsize + v.numel() * vd.itemsize for k, kd, v, vd, _, _ in updates)
         saved = sum(device[_TOTAL_KEY] for device in held.values()) - made
         if saved < 0 or (saved and window is None) or (saved and len(held) != 1):
             return None
-        return _Template(rise, held, spec, outputs, layout, updates, saved, window)
+        return Template(rise, held, spec, outputs, layout, updates, saved, window)
 
-    def _stand_in(self, block: torch.nn.Module, template: _Template, leaves: list[Any]) -> Any:
+    def _stand_in(self, block: torch.nn.Module, template: Template, leaves: list[Any]) -> Any:
         tracker = self.tracker
         before = tracker.get_tracker_snapshot("current")
         tracker.raise_peak(snapshot_add(before, template.rise))
@@ -353,19 +337,19 @@ class BlockStandIns:
                 cache.update(key, value, layer, **tree_map_only(TensorLike, TensorLike.make, kw))
                 del key, value
         if template.backward is None:
-            result = tree_unflatten(_outputs(template, leaves), template.spec)
+            result = tree_unflatten(stand_in_outputs(template, leaves), template.spec)
         else:
             needs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
             params = [p for p in block.parameters() if p.requires_grad]
 
             def make() -> tuple[torch.Tensor, ...]:
-                return tuple(t for t in _outputs(template, leaves) if isinstance(t, torch.Tensor))
+                return tuple(t for t in stand_in_outputs(template, leaves) if isinstance(t, torch.Tensor))
 
             device = next(iter(template.held))
             kept = [leaves[i] for i in template.kept]
             call = StandInCall(make, template.saved, device, template.backward, needs, params, kept)
             made = iter(StandInFunction.apply(call, *needs, *params))
-            outs = [next(made) if isinstance(out, _Out) else out for out in template.outputs]
+            outs = [next(made) if isinstance(out, Out) else out for out in template.outputs]
             result = tree_unflatten(outs, template.spec)
         held = snapshot_diff(tracker.get_tracker_snapshot("current"), before)
         if held != template.held:
@@ -375,21 +359,3 @@ class BlockStandIns:
             )
         self.stood_in += 1
         return result
-
-
-def _outputs(template: _Template, leaves: list[Any]) -> list[Any]:
-    """The output leaves of a stand-in: new storages of the template's sizes viewed as its outputs were, views of
-    this call's inputs where its outputs viewed its inputs, and its other leaves as they were."""
-    storages = [
-        torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=device) for nbytes, dtype, device in template.storages
-    ]
-    outputs = []
-    for out in template.outputs:
-        if not isinstance(out, _Out):
-            outputs.append(out)
-        elif out.same:
-            outputs.append(leaves[out.source])
-        else:
-            base = storages[out.new] if out.new is not None else leaves[out.source]
-            outputs.append(base.as_strided(out.shape, out.stride, out.offset))
-    return outputs

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,14 +62,47 @@ def block_fingerprint(block: torch.nn.Module) -> tuple:
     return type(block).__qualname__, params, buffers
 
 
-def has_inner_hooks(block: torch.nn.Module) -> bool:
-    """Whether a module below ``block`` has hooks of its own (an FSDP unit inside it): skipping its call would
-    skip them."""
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or getattr(m, "_forward_hooks_with_kwargs", None)
-        for m in block.modules()
-        if m is not block
-    )
+def capture_key(hook: Any) -> str | None:
+    """The output a transformers output-capturing hook records (``"hidden_states"``, ``"attentions"``), or None for
+    any other hook. transformers 5 installs these forward hooks on the first forward asked for an output (a text
+    encoder's ``output_hidden_states``), on the layers and on their attention modules; each records only while a
+    forward's collector asks for its key, and does nothing otherwise."""
+    code = getattr(hook, "__code__", None)
+    if code is None or code.co_name != "output_capturing_hook" or not hook.__module__.startswith("transformers."):
+        return None
+    cells = dict(zip(code.co_freevars, hook.__closure__ or (), strict=False))
+    try:
+        key = cells["key"].cell_contents
+    except (KeyError, ValueError):  # a transformers release that keeps the key elsewhere: an unknown hook
+        return None
+    return key if isinstance(key, str) else None
+
+
+def inner_hooks(block: torch.nn.Module) -> tuple[bool, frozenset[str]]:
+    """The hooks of the modules below ``block``: whether any is not an output-capturing hook (an FSDP unit inside
+    it: skipping its call would skip them), and the keys of the capturing ones (a stand-in may skip those while no
+    forward asks for their keys)."""
+    other, keys = False, set()
+    for module in block.modules():
+        if module is block:
+            continue
+        other |= bool(module._forward_pre_hooks or getattr(module, "_forward_hooks_with_kwargs", None))
+        for hook in module._forward_hooks.values():
+            key = capture_key(hook)
+            other |= key is None
+            keys.add(key)
+    keys.discard(None)
+    return other, frozenset(keys)
+
+
+def requested_outputs() -> frozenset[str]:
+    """The outputs the running transformers forward asks its capturing hooks for (none outside such a forward)."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # pragma: no cover - transformers is a dependency; older releases have no such hooks
+        return frozenset()
+    collected = _active_collector.get()
+    return frozenset(collected or ())
 
 
 def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, tuple[int, tuple, bool]]:
@@ -86,7 +120,7 @@ def repeated_blocks(roots: Sequence[torch.nn.Module]) -> dict[torch.nn.Module, t
             counts = Counter(prints.values())
             last = {fingerprint: block for block, fingerprint in prints.items()}
             for block, fingerprint in prints.items():
-                if counts[fingerprint] >= MIN_STACK and block not in found and not has_inner_hooks(block):
+                if counts[fingerprint] >= MIN_STACK and block not in found and not inner_hooks(block)[0]:
                     # With autograd the last copy is a kind of its own: the first to backpropagate, it takes the
                     # gradients of whatever follows the stack (a final norm's, in another dtype), not a copy's.
                     found[block] = (id(module), fingerprint, last[fingerprint] is block)

@@ -41,7 +41,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -378,3 +378,15 @@ def carrying_values() -> Iterator[None]:
         return
     with modes[-1].carrying_values():
         yield
+
+
+def carried_bytes(tensor: torch.Tensor) -> bytes | None:
+    """The bytes of the values the innermost active ``AllRowsReal`` carries beside ``tensor``, or None (none carried,
+    or no such mode)."""
+    modes = [mode for mode in _get_current_dispatch_mode_stack() if isinstance(mode, AllRowsReal)]
+    values = modes[-1].values if modes else None
+    value = None if values is None else values.get(tensor)
+    if value is None:
+        return None
+    with _disable_current_modes():  # a real tensor: read without the tracker and the fake mode
+        return value.detach().contiguous().flatten().view(torch.uint8).numpy().tobytes()
