@@ -3,7 +3,9 @@
 
 SGD (not Adam) and no gradient clipping, because Adam's first step is ``lr * sign(g)`` and clipping
 rescales: either would hide a rank-summed instead of rank-averaged gradient (pytorch issue 162338).
-Multi-process runs launch the CLI as a subprocess because Lightning re-executes the command per rank.
+Multi-process runs launch the CLI as a subprocess because Lightning re-executes the command per rank; the
+one-process references run in this process (one torch thread, as a CLI subprocess here has), which spares each
+of them a new interpreter's imports.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from tests.helpers import ROOT, TINY, run_cli_subprocess
+from unirl_pl.cli import main
 
 pytestmark = pytest.mark.integration
 
@@ -41,10 +44,21 @@ STEP = [
 ]
 
 
+OVERLAYS = (str(ROOT / "recipes" / "ddp.yaml"), str(ROOT / "recipes" / "fsdp.yaml"))
+
+
+def _cli(*args: str) -> None:
+    """``python -m unirl_pl <args>``: on 2 ranks (a strategy overlay given) in a subprocess, else in this process."""
+    if any(arg in OVERLAYS for arg in args):
+        run_cli_subprocess(*args, timeout=600)
+    else:
+        main(list(args))
+
+
 def _fit(tmp_path: Path, name: str, *extra: str, full: bool = False) -> dict[str, torch.Tensor]:
     """One RL step's trained tensors from the checkpoint: the adapters, or (``full``) every saved weight."""
     ckpts = tmp_path / name
-    run_cli_subprocess(
+    _cli(
         "fit",
         "--config",
         TINY,
@@ -55,7 +69,6 @@ def _fit(tmp_path: Path, name: str, *extra: str, full: bool = False) -> dict[str
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={ckpts}",
         "--trainer.callbacks.every_n_train_steps=1",
-        timeout=600,
     )
     (ckpt,) = ckpts.glob("*.ckpt")
     state = torch.load(ckpt, weights_only=True)
@@ -69,8 +82,6 @@ def single(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 
 def _initial() -> dict[str, torch.Tensor]:
-    from unirl_pl.cli import main
-
     cli = main(["--config", TINY, "--trainer.logger=false"], run=False)
     cli.model.configure_model()
     return {k: v.detach().float() for k, v in cli.model.state_dict().items() if "lora_" in k}
@@ -174,12 +185,11 @@ def _validate(tmp_path: Path, name: str, *extra: str) -> dict[str, float]:
     rows = (ROOT / "unirl_pl" / "assets" / "shapes" / "prompts_composition.jsonl").read_text().splitlines()
     prompts.write_text("\n".join(rows[:7]) + "\n")
     out = tmp_path / name
-    run_cli_subprocess(
+    _cli(
         "validate", "--config", TINY, *extra, *VALIDATE,
         f"--data.init_args.val_prompts={prompts}",
         f"--trainer.logger.init_args.save_dir={out}",
         f"--trainer.default_root_dir={out}",
-        timeout=600,
     )  # fmt: skip
     (path,) = out.glob("**/metrics.csv")
     (row,) = csv.DictReader(path.open())
