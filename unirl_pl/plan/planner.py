@@ -309,8 +309,12 @@ def _fixed_phases(
     """Trace the micro-batch-independent phases; returns their usages and the shapes later phases need."""
     generator = experts.generator
     found: dict[str, Any] = {"usage": {}}
-    # One untracked text gives the feature shapes the cache (resident while encoding) is made of.
-    cond_rows = {k: (tuple(v.shape[1:]), v.dtype) for k, v in phases.text_encode(generator, 1, recipe.edits).items()}
+    # One text gives the feature shapes the cache (resident while encoding) is made of: its bytes are not read, but
+    # its trace has the stand-ins (a text encoder that reads a source image is traced per text).
+    with tracer.tracking("feature shapes", {}, log=False):
+        cond = phases.text_encode(generator, 1, recipe.edits)
+    cond_rows = {k: (tuple(v.shape[1:]), v.dtype) for k, v in cond.items()}
+    del cond
     found["cond_rows"] = cond_rows
     cache = experience(sizes, generator.latent_shape, cond_rows, None, {"cache"})
     if refines:

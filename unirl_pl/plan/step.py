@@ -130,8 +130,9 @@ class Tracer:
         self.trainable_bytes = sum(local_bytes(p) for p in params.values())
 
     @contextmanager
-    def tracking(self, name: str, resident: dict[str, torch.Tensor]) -> Iterator[PlanMemTracker]:
-        """A tracker over one trace named ``name`` with the models, optimizer state and ``resident`` tensors."""
+    def tracking(self, name: str, resident: dict[str, torch.Tensor], log: bool = True) -> Iterator[PlanMemTracker]:
+        """A tracker over one trace named ``name`` with the models, optimizer state and ``resident`` tensors; with
+        ``log`` its time and peak are logged."""
         tracker = PlanMemTracker(self.trainable_bytes)
         tracker.track_external(*self.experts.modules(), *(o.optimizer for o in self.optimizers), *resident.values())
         start = time.monotonic()
@@ -144,7 +145,8 @@ class Tracer:
                 yield tracker
         # A trace with marks (the training step) restarts its peak at each: the trace's peak is the highest part.
         peak = max(u.total for u in [tracker.peak(), *tracker.marks.values()])
-        self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {peak / 2**30:.1f} GiB")
+        if log:
+            self.log(f"traced {name} in {time.monotonic() - start:.0f} s: peak {peak / 2**30:.1f} GiB")
 
 
 def experience(
