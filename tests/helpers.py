@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
+import io
 import os
 import subprocess
 import sys
@@ -11,6 +14,8 @@ from collections.abc import Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from unirl_pl.algorithms import DAPO, GSPO, TokenGRPO
 from unirl_pl.cli import main
@@ -46,6 +51,26 @@ def run_cli(tmp_path: Path, *overrides: str, subcommand: str = "fit", config: st
         *overrides,
     ]
     return main(args)
+
+
+def printed_config(*args: str) -> dict[str, Any]:
+    """What ``python -m unirl_pl fit ARGS --print_config`` prints, read back (a fresh dict each call). Each ARGS is
+    parsed once per test process: several test files read the same recipes' configurations, at about a second of
+    jsonargparse a parse."""
+    return yaml.safe_load(_printed(args))
+
+
+@functools.cache
+def _printed(args: tuple[str, ...]) -> str:
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            main(["fit", *args, "--print_config"])
+    except SystemExit as stop:
+        assert stop.code in (0, None), out.getvalue()[-2000:]
+    else:
+        raise AssertionError(f"--print_config did not exit: {args}")
+    return out.getvalue()
 
 
 def read_metrics(cli) -> list[dict[str, float]]:

@@ -10,16 +10,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
-from tests.helpers import ROOT, assert_joint_steps_green
+from tests.helpers import ROOT, assert_joint_steps_green, printed_config
 from tests.pipelines_edit import make_flux_kontext_pipeline
 from tests.pipelines_qwen_edit import make_qwenimage_edit_plus_pipeline
 from tests.test_promptrl_recipes import header_builds
@@ -77,17 +74,9 @@ def test_edit_recipe_runs_its_header_cpu_block_with_gates_green(
     assert any(key[2].startswith("\0") for key in cli.model.conditioning.cache._store), "no source latents encoded"
 
 
-def _print_config(recipe: Path) -> dict[str, Any]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
-        main(["fit", "--config", str(recipe), "--print_config"])
-    assert stop.value.code in (0, None), out.getvalue()[-2000:]
-    return yaml.safe_load(out.getvalue())
-
-
 def test_promptrl_kontext_as_written_resolves_to_promptrl_values() -> None:
     """Each value against G-U-N/UniRL 53c28c9 (docs/reproduce.md, "recipes/promptrl_kontext.yaml")."""
-    config = _print_config(RECIPES["kontext"])
+    config = printed_config("--config", str(RECIPES["kontext"]))
     model, data = config["model"]["init_args"], config["data"]["init_args"]
     generator, llm = model["generator"], model["llm"]["init_args"]
     assert generator["class_path"].endswith("FluxKontextGenerator") and model["mode"] == "joint"
@@ -112,7 +101,7 @@ def test_promptrl_kontext_as_written_resolves_to_promptrl_values() -> None:
 
 def test_qwenimage_edit_plus_as_written_resolves_to_flow_factory_values() -> None:
     """Each value against Flow-Factory a0b2bc5 (docs/reproduce.md, "recipes/qwenimage_edit_plus.yaml")."""
-    config = _print_config(RECIPES["qwen_edit"])
+    config = printed_config("--config", str(RECIPES["qwen_edit"]))
     model, data = config["model"]["init_args"], config["data"]["init_args"]
     generator = model["generator"]["init_args"]
     assert model["generator"]["class_path"].endswith("QwenImageEditPlusGenerator")

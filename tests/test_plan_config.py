@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
+from tests.helpers import printed_config
 from unirl_pl.cli import main
 from unirl_pl.errors import ConfigError
 from unirl_pl.plan.recipe import RecipeError, StepRecipe, parsed_recipe, step_recipe
@@ -41,15 +41,6 @@ CASES = [[path.stem] for path in sorted(RECIPES.glob("*.yaml"))] + [["sd35", "fs
 
 def _recipe_args(names: list[str]) -> list[str]:
     return [arg for name in names for arg in ("--config", str(RECIPES / f"{name}.yaml"))]
-
-
-def _fit_config(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
-    """What ``python -m unirl_pl fit ARGS --print_config`` prints, read back."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as stop:
-        main(["fit", *args, "--print_config"])
-    assert stop.value.code in (0, None)
-    return yaml.safe_load(capsys.readouterr().out)
 
 
 def _plain(value: Any) -> Any:
@@ -113,17 +104,17 @@ def _assert_plans_fit_settings(recipe: StepRecipe, fit: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("names", CASES, ids=["+".join(names) for names in CASES])
-def test_plan_settings_are_fits_printed_config(names, capsys):
+def test_plan_settings_are_fits_printed_config(names):
     args = _recipe_args(names)
     if len(names) == 1 and names[0] in NOT_PLANNED:
         # An overlay or a test-bed recipe: plan refuses it, with the project's error (the whole check here).
         with pytest.raises((ConfigError, RecipeError)):
             step_recipe(parsed_recipe(args))
         return
-    _assert_plans_fit_settings(step_recipe(parsed_recipe(args)), _fit_config(args, capsys))
+    _assert_plans_fit_settings(step_recipe(parsed_recipe(args)), printed_config(*args))
 
 
-def test_a_default_reaches_the_plan_from_its_constructor(tmp_path, capsys):
+def test_a_default_reaches_the_plan_from_its_constructor(tmp_path):
     """A recipe that sets one loss setting of the DiT gets the module's defaults for the others (its clip 1e-4
     and KL 0.004, not the dataclass's), its default optimizers and algorithms and the data module's layout."""
     recipe = tmp_path / "recipe.yaml"
@@ -137,7 +128,7 @@ def test_a_default_reaches_the_plan_from_its_constructor(tmp_path, capsys):
     planned = step_recipe(parsed_recipe(args))
     assert (planned.transformer_loss.clip_eps, planned.transformer_loss.beta) == (1e-4, 0.004)
     assert planned.transformer_loss.mini_batches == 2 and planned.devices == 1  # trainer.devices "auto": one rank
-    _assert_plans_fit_settings(planned, {**_fit_config(args, capsys), "trainer": {"devices": 1, "strategy": "auto"}})
+    _assert_plans_fit_settings(planned, {**printed_config(*args), "trainer": {"devices": 1, "strategy": "auto"}})
 
 
 @pytest.mark.parametrize(

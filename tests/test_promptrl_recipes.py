@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 from pathlib import Path
@@ -31,7 +29,7 @@ from diffusers.pipelines.flux.pipeline_flux import retrieve_timesteps as flux_re
 from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
 from diffusers.pipelines.flux2.pipeline_flux2_klein import retrieve_timesteps as klein_retrieve_timesteps
 
-from tests.helpers import ROOT, assert_joint_steps_green, series
+from tests.helpers import ROOT, assert_joint_steps_green, printed_config, series
 from tests.pipelines import make_flux2_klein_pipeline, make_flux_pipeline, with_scheduler
 from tests.test_rewards_recipes import cpu_block
 from tests.vlm_lm import make_vlm
@@ -277,17 +275,9 @@ def test_schedule_at_the_recipes_setting_is_a_real_pipeline_call(name: str, tmp_
 
 
 # ------------------------------------------------------------------ the recipes as written
-def _print_config(recipe: Path) -> dict[str, Any]:
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
-        main(["fit", "--config", str(recipe), "--print_config"])
-    assert stop.value.code in (0, None), out.getvalue()[-2000:]
-    return yaml.safe_load(out.getvalue())
-
-
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_recipe_as_written_resolves_to_promptrl_values(name: str) -> None:
-    config = _print_config(RECIPES[name])
+    config = printed_config("--config", str(RECIPES[name]))
     model = config["model"]["init_args"]
     data = config["data"]["init_args"]
     generator = model["generator"]

@@ -6,16 +6,13 @@ line says they are used; each recipe's first comment line is the exact command t
 
 from __future__ import annotations
 
-import contextlib
-import io
 import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import JOINT, ROOT
-from unirl_pl.cli import main
+from tests.helpers import JOINT, ROOT, printed_config
 
 RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 
@@ -23,15 +20,6 @@ RECIPES = sorted((ROOT / "recipes").rglob("*.yaml"))
 def _is_overlay(path: Path) -> bool:
     # An overlay changes settings of a recipe; it names no module class of its own.
     return "class_path" not in (yaml.safe_load(path.read_text()).get("model") or {})
-
-
-def _print_config(*configs: str) -> dict:
-    out = io.StringIO()
-    args = ["fit", *[a for c in configs for a in ("--config", c)], "--print_config"]
-    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as stop:
-        main(args)
-    assert stop.value.code in (0, None), out.getvalue()[-2000:]
-    return yaml.safe_load(out.getvalue())
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(ROOT / "recipes")))
@@ -44,5 +32,5 @@ def test_recipe_parses_and_is_headed_by_its_command(recipe):
     stack = [str(ROOT / c) for c in configs] if _is_overlay(recipe) else [str(recipe)]
     if _is_overlay(recipe):
         assert stack[0] == JOINT, f"overlay {recipe.name} is documented on top of the main recipe"
-    config = _print_config(*stack)
+    config = printed_config(*[a for c in stack for a in ("--config", c)])
     assert config["model"]["class_path"] and config["data"]["class_path"]

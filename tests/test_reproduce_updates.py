@@ -8,10 +8,9 @@ import re
 from typing import Any
 
 import pytest
-import yaml
 
+from tests.helpers import printed_config
 from tests.test_reproduce_doc import DOC, ROOT, section_for, table_rows
-from unirl_pl.cli import main
 
 # What must have the row: every published overlay, the overlays that name their reference's update count, and the
 # family recipes that follow Flow-GRPO's and Flow-Factory's trainers.
@@ -61,17 +60,15 @@ def stated(rel: str) -> list[tuple[str, int, str, bool]]:
     return [(expert, int(count), split, drop == "true") for expert, count, split, drop in found]
 
 
-def resolved(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
-    with pytest.raises(SystemExit):
-        main(["fit", *args, "--print_config"])
-    return yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+def resolved(args: list[str]) -> dict[str, Any]:
+    return printed_config(*args)["model"]["init_args"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("rel", OVERLAYS + RECIPES)
-def test_print_config_resolves_the_updates_per_rollout_its_row_states(rel: str, capsys) -> None:
+def test_print_config_resolves_the_updates_per_rollout_its_row_states(rel: str) -> None:
     config = ["--config", str(ROOT / "recipes" / "joint.yaml")] if rel in OVERLAYS else []
-    model = resolved([*config, "--config", str(ROOT / rel)], capsys)
+    model = resolved([*config, "--config", str(ROOT / rel)])
     for expert, count, split, drop in stated(rel):
         loss = model[f"{expert}_loss"]
         got = (loss["mini_batches"], loss["mini_batch_split"], loss["drop_zero_advantage"])
