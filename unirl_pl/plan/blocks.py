@@ -29,7 +29,8 @@ stand-in whose backward ran without its template's.
 The stand-in replaces the block's ``forward``, not its call: FSDP2's hooks on the block (the all-gather before it,
 the reshard after) and checkpointing around it run as in the trace. Never stood in: an FSDP2 unit's calls with
 autograd (its backward all-gathers, prefetches and reduce-scatters in an order a stand-in does not reproduce),
-blocks with hooks of their own below them (an FSDP unit inside a block), a checkpointed block's recomputation (part
+blocks with hooks of their own below them (an FSDP unit inside a block; transformers' output-capturing
+hooks only while the running forward asks for their outputs), a checkpointed block's recomputation (part
 of its template's backward), and kinds of call whose template leaves held anything but its outputs, cache entries
 and saved activations, or (with autograd) returns an input, or has no input or output with a gradient.
 """
