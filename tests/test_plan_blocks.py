@@ -259,10 +259,10 @@ class Tail(nn.Module):
         return self.out(self.inp(x))
 
 
-def test_a_block_whose_inner_hook_records_its_output_runs_while_a_forward_asks_for_it():
+def test_a_block_whose_inner_hook_records_its_output_runs_while_a_forward_asks_for_it(monkeypatch):
     """A transformers capturing hook below the block whose record is the block's own output leaves nothing else held,
     so only the forward's request tells that skipping the block would skip the record: each block runs and records
-    (four records); with no request the copies stand in."""
+    (four records); with no request the copies stand in; where the request cannot be read, every block runs."""
     from transformers.utils.output_capturing import _active_collector, install_output_capuring_hook
 
     mode = FakeTensorMode()
@@ -284,6 +284,13 @@ def test_a_block_whose_inner_hook_records_its_output_runs_while_a_forward_asks_f
             _active_collector.reset(token)
             assert blocks.stood_in == stood_in
             assert len(collected.get("hidden_states", [])) == (4 if asked else 0)
+        monkeypatch.setattr("unirl_pl.plan.blocks.requested_outputs", lambda: None)
+        tracker = PlanMemTracker()
+        with tracker, BlockStandIns([model], tracker) as blocks:
+            x = torch.empty(8, 16)
+            for block in model.blocks:
+                x = block(x)
+        assert blocks.stood_in == 0
 
 
 class Windowed(nn.Module):

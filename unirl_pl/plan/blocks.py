@@ -170,7 +170,8 @@ class BlockStandIns:
             # autograd stand in).
             with self._real():
                 return forward(*args, **kwargs)
-        if inner_hooks(block)[1] & requested_outputs():
+        captured, asked = inner_hooks(block)[1], requested_outputs()
+        if captured and (asked is None or captured & asked):
             # A transformers forward asks the hooks inside the block for their outputs (its attentions): it runs.
             with self._real():
                 return forward(*args, **kwargs)

@@ -95,12 +95,13 @@ def inner_hooks(block: torch.nn.Module) -> tuple[bool, frozenset[str]]:
     return other, frozenset(keys)
 
 
-def requested_outputs() -> frozenset[str]:
-    """The outputs the running transformers forward asks its capturing hooks for (none outside such a forward)."""
+def requested_outputs() -> frozenset[str] | None:
+    """The outputs the running transformers forward asks its capturing hooks for (none outside such a forward), or
+    None when this transformers keeps its collector elsewhere (then any capturing hook may be recording)."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # pragma: no cover - transformers is a dependency; older releases have no such hooks
-        return frozenset()
+    except ImportError:  # pragma: no cover - the collector of transformers 5's capturing hooks
+        return None
     collected = _active_collector.get()
     return frozenset(collected or ())
 
