@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from typing import Any
 
 from torch import Tensor
@@ -73,6 +74,16 @@ class Counted:
     def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
         _append(self.log, {"n": len(prompts)})
         return self.reward(prompts, refined_prompts, images)
+
+
+class SlowToBuild:
+    """Brightness that takes ``seconds`` to build: a server that cannot answer ``GET /health`` for that long."""
+
+    def __init__(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def __call__(self, prompts: list[str], refined_prompts: list[str], images: Tensor) -> list[float]:
+        return mean_brightness(prompts, refined_prompts, images)
 
 
 class SeenSources(_Logged):

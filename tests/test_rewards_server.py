@@ -12,6 +12,7 @@ use a read timeout of seconds, with stalls far beyond it, and are slow."""
 from __future__ import annotations
 
 import base64
+import gc
 import importlib
 import io
 import json
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -45,7 +47,7 @@ from unirl_pl.rewards import Brightness, HTTPReward
 from unirl_pl.rewards.clip_models import PickScore
 from unirl_pl.rewards.http import encode_images
 from unirl_pl.rewards.server import RewardServer, serve
-from unirl_pl.rewards.server import main as server_main
+from unirl_pl.rewards.server_cli import main as server_main
 
 HERE = "tests.test_rewards_server"
 SERVED = "tests.served_rewards"  # the rewards served by dotted path
@@ -144,6 +146,7 @@ def test_the_batches_keep_image_sizes_apart_and_respect_the_batch_limit(recorded
         (["--reward", "brightness", "--reward-args", "[0]"], "--reward-args must be a JSON object"),
         (["--reward", "brightness", "--read-timeout-s", "0"], "read_timeout_s > 0"),
         (["--reward", "brightness", "--max-batch", "0"], "max_batch_size >= 1"),
+        (["--reward", "brightness", "--start-timeout-s", "0"], "start_timeout_s > 0"),
         (["--reward", "brightness", "--host", "10.0.0.1"], "host must be one of 127.0.0.1, 0.0.0.0, ::"),
         # These reach LitServe's worker, which builds the reward (a worker process each: slow).
         pytest.param(["--reward", "no_such_reward"], "unknown reward 'no_such_reward'", marks=pytest.mark.slow),
@@ -153,6 +156,12 @@ def test_the_batches_keep_image_sizes_apart_and_respect_the_batch_limit(recorded
         pytest.param(
             ["--reward", "brightness", "--reward-args", '{"channel": 7}'],
             "channel must be 0, 1, 2 or None",
+            marks=pytest.mark.slow,
+        ),
+        # A reward still building when the start deadline passes: a line at the deadline, not a wait forever.
+        pytest.param(
+            ["--reward", f"{SERVED}.SlowToBuild", "--reward-args", '{"seconds": 120}', "--start-timeout-s", "1"],
+            "did not answer GET /health within start_timeout_s=1 s",
             marks=pytest.mark.slow,
         ),
     ],
@@ -182,8 +191,41 @@ def test_the_command_line_names_every_limit(capsys):
     with pytest.raises(SystemExit):
         server_main(["--help"])
     out = capsys.readouterr().out
-    for flag in ("--max-body-mb", "--read-timeout-s", "--max-image-pixels", "--max-request-pixels", "--max-batch"):
+    limits = ("--max-body-mb", "--read-timeout-s", "--max-image-pixels", "--max-request-pixels", "--max-batch")
+    for flag in (*limits, "--start-timeout-s"):
         assert flag in out
+
+
+# Each fork of this process runs these first (a test appends to it while a server starts): os.register_at_fork's
+# hooks cannot be removed, so one hook reads this list.
+_BEFORE_FORK: list[Callable[[], None]] = []
+os.register_at_fork(before=lambda: [hook() for hook in _BEFORE_FORK])
+
+
+@pytest.mark.slow
+def test_litserve_forks_with_the_garbage_collected_and_the_rest_frozen():
+    """LitServe forks its queue manager and HTTP front from the trainer's process; a garbage collection in such a
+    child would run destructors of the parent's garbage there (an onnxruntime session's hung a child forever).
+    At each of those forks the garbage is gone and the rest frozen, so a child never collects what it inherited."""
+
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.me = garbage
+    collected = weakref.ref(garbage)
+    del garbage
+    gc.freeze()  # then into the oldest generation, which the automatic collections seldom reach
+    gc.unfreeze()
+    forks: list[tuple[int, bool]] = []
+    _BEFORE_FORK.append(lambda: forks.append((gc.get_freeze_count(), collected() is None)))
+    try:
+        serve("brightness").close()
+    finally:
+        _BEFORE_FORK.clear()
+    assert len(forks) >= 2, f"LitServe forks its queue manager and its HTTP front: {forks}"
+    assert all(frozen > 0 and gone for frozen, gone in forks), forks
+    assert gc.get_freeze_count() == 0, "unfrozen once serving: this process collects its garbage again"
 
 
 def _free_port() -> int:

@@ -22,7 +22,7 @@ TOOLS = {
     "export": ("unirl_pl.export", "a checkpoint's adapters in peft and diffusers LoRA formats"),
     "plan": ("unirl_pl.plan", "the memory plan of a recipe's real-size experts, traced on fake tensors"),
     "rewards": ("unirl_pl.rewards.catalog", "the rewards a recipe can name, or one reward's init_args"),
-    "serve-reward": ("unirl_pl.rewards.server", "serve a registered or dotted-path reward over HTTP (http reward)"),
+    "serve-reward": ("unirl_pl.rewards.server_cli", "serve a registered or dotted-path reward over HTTP (http reward)"),
 }
 
 

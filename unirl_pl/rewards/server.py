@@ -18,25 +18,24 @@ trainer's environment, serve your own reward class by dotted path, or speak the 
 
 from __future__ import annotations
 
-import argparse
 import atexit
+import gc
 import http.client
 import json
 import logging
 import os
-import signal
 import socket
-import sys
 import threading
 import time
 from multiprocessing import get_context
 from types import ModuleType
-from typing import Any, NoReturn
+from typing import Any
 
 from unirl_pl.rewards.http import MAX_IMAGE_PIXELS, MAX_TOTAL_PIXELS
 
 MAX_BODY_BYTES = 64 * 2**20
 READ_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 900.0
 # The interfaces LitServe binds (LitServer.run refuses any other host).
 HOSTS = ("127.0.0.1", "0.0.0.0", "::")
 INSTALL = "pip install 'unirl_pl[serve]'"
@@ -83,6 +82,8 @@ class RewardServer:
             again for the body, and how long a reply may wait for a client that stopped reading.
         max_image_pixels: Most pixels (width x height) of one image or video frame.
         max_total_pixels: Most pixels of all the images and frames of one request.
+        start_timeout_s: Seconds :meth:`start` waits for ``GET /health`` to answer (building the reward included)
+            before it gives up with a RuntimeError.
     """
 
     def __init__(
@@ -97,6 +98,7 @@ class RewardServer:
         read_timeout_s: float = READ_TIMEOUT_S,
         max_image_pixels: int = MAX_IMAGE_PIXELS,
         max_total_pixels: int = MAX_TOTAL_PIXELS,
+        start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         if (
             max_batch_size < 1
@@ -105,16 +107,19 @@ class RewardServer:
             or read_timeout_s <= 0
             or max_image_pixels < 1
             or max_total_pixels < 1
+            or start_timeout_s <= 0
         ):
             raise ValueError(
                 "need max_batch_size >= 1, batch_wait_s >= 0, max_body_bytes >= 1, read_timeout_s > 0, "
-                f"max_image_pixels >= 1, max_total_pixels >= 1; got {max_batch_size}, {batch_wait_s}, "
-                f"{max_body_bytes}, {read_timeout_s}, {max_image_pixels}, {max_total_pixels}"
+                "max_image_pixels >= 1, max_total_pixels >= 1, start_timeout_s > 0; got "
+                f"{max_batch_size}, {batch_wait_s}, {max_body_bytes}, {read_timeout_s}, {max_image_pixels}, "
+                f"{max_total_pixels}, {start_timeout_s}"
             )
         if host not in HOSTS:
             raise ValueError(f"host must be one of {', '.join(HOSTS)} (the interfaces LitServe binds), got {host!r}")
         front, worker = _parts()
         self.reward_name, self.host, self.port, self.read_timeout_s = reward_name, host, port, read_timeout_s
+        self.start_timeout_s = start_timeout_s
         # The worker is spawned: what it reports goes through a pipe of the same start method.
         self._setup_errors, setup_errors = get_context("spawn").Pipe(duplex=False)
         self.api = worker.RewardAPI(
@@ -168,9 +173,24 @@ class RewardServer:
         Raises:
             OSError: the port cannot be bound.
             ValueError: the reward cannot be built (unknown name, bad ``reward_args``, ...): one line saying why.
-            RuntimeError: LitServe stopped before serving.
+            RuntimeError: LitServe stopped before serving, or did not serve within ``start_timeout_s``.
         """
         self.port = _free_port(self.host, self.port)
+        # LitServe forks its queue manager and its HTTP front from this process. A garbage collection in a forked
+        # child runs the destructors of this process's unreachable objects there, where their threads do not
+        # exist: an earlier reward's onnxruntime session hung a child forever that way. So the garbage is
+        # collected here and what is left frozen (never collected in a child) until the forks are done.
+        gc.collect()
+        gc.freeze()
+        try:
+            self._start()
+        finally:
+            gc.unfreeze()
+        self._serving = True
+        return self
+
+    def _start(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
         self._thread = threading.Thread(target=self._run, name=f"reward-server-{self.reward_name}", daemon=True)
         self._thread.start()
         atexit.register(self.close)  # before multiprocessing's own exit, which would wait for the worker forever
@@ -184,9 +204,11 @@ class RewardServer:
             gone = [p.exitcode for p in workers if p.exitcode is not None]
             if gone and not self._setup_errors.poll(0.5):  # a setup failure's message may still be on its way
                 raise RuntimeError(f"the reward worker exited (code {gone[0]}) before serving")
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the reward server did not answer GET /health within start_timeout_s={self.start_timeout_s:g} s"
+                )
             time.sleep(0.05)
-        self._serving = True
-        return self
 
     def _run(self) -> None:
         try:
@@ -265,6 +287,7 @@ def serve(
     read_timeout_s: float = READ_TIMEOUT_S,
     max_image_pixels: int = MAX_IMAGE_PIXELS,
     max_total_pixels: int = MAX_TOTAL_PIXELS,
+    start_timeout_s: float = START_TIMEOUT_S,
 ) -> RewardServer:
     """Start serving ``reward_name`` (registry name or dotted path) in the background (:class:`RewardServer`).
 
@@ -282,101 +305,11 @@ def serve(
         read_timeout_s,
         max_image_pixels,
         max_total_pixels,
+        start_timeout_s,
     ).start()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command line: serve one reward until interrupted."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reward", required=True, help="registry name (e.g. brightness, ocr) or dotted path")
-    parser.add_argument(
-        "--host", default="127.0.0.1", help="interface to bind: 127.0.0.1, or 0.0.0.0 or :: for all (no auth!)"
-    )
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--reward-args", default="{}", help="constructor kwargs as JSON, e.g. '{\"channel\": 0}'")
-    parser.add_argument("--max-batch", type=int, default=64, help="most samples per reward call across requests")
-    parser.add_argument(
-        "--batch-wait-ms",
-        type=float,
-        default=5.0,
-        help="how long LitServe collects concurrent requests into one batch",
-    )
-    parser.add_argument(
-        "--max-body-mb",
-        type=float,
-        default=MAX_BODY_BYTES / 2**20,
-        help="largest request body in MiB; a larger Content-Length is refused unread (413)",
-    )
-    parser.add_argument(
-        "--read-timeout-s",
-        type=float,
-        default=READ_TIMEOUT_S,
-        help="seconds the request line and headers may take to arrive in full (else the connection is closed), "
-        "the same for the body (else 408); also the idle-connection timeout",
-    )
-    parser.add_argument(
-        "--max-image-pixels",
-        type=int,
-        default=MAX_IMAGE_PIXELS,
-        help="most pixels (width x height) of one image or video frame, checked before decoding (else 413)",
-    )
-    parser.add_argument(
-        "--max-request-pixels",
-        type=int,
-        default=MAX_TOTAL_PIXELS,
-        help="most pixels of all the images and frames of one request (else 413)",
-    )
-    args = parser.parse_args(argv)
+if __name__ == "__main__":  # `python -m unirl_pl.rewards.server`, as `python -m unirl_pl serve-reward`
+    from unirl_pl.rewards.server_cli import main
 
-    def fail(message: str) -> NoReturn:
-        # One line and exit status 2, like an argparse error, and no traceback: these are setup mistakes.
-        print(f"{parser.prog}: error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-
-    try:
-        reward_args = json.loads(args.reward_args)
-    except json.JSONDecodeError as err:
-        fail(f"--reward-args is not JSON: {err}")
-    if not isinstance(reward_args, dict):
-        fail(f"--reward-args must be a JSON object of constructor kwargs, got {args.reward_args!r}")
-    try:
-        server = RewardServer(
-            args.reward,
-            reward_args,
-            args.host,
-            args.port,
-            max_batch_size=args.max_batch,
-            batch_wait_s=args.batch_wait_ms / 1000,
-            max_body_bytes=int(args.max_body_mb * 2**20),
-            read_timeout_s=args.read_timeout_s,
-            max_image_pixels=args.max_image_pixels,
-            max_total_pixels=args.max_request_pixels,
-        )
-    except (ValueError, ImportError) as err:
-        fail(str(err))
-    try:
-        server.start()
-    except ValueError as err:
-        server.close()
-        fail(str(err))
-    except OSError as err:
-        fail(f"cannot listen on {args.host}:{args.port}: {err}")
-    except RuntimeError as err:
-        server.close()
-        fail(str(err))
-    print(f"serving reward {args.reward!r} at {server.url} (GET {server.url}health)", flush=True)
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does
-
-    signal.signal(signal.SIGTERM, stop)  # after start: LitServe's processes keep their own handlers
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.close()
-
-
-if __name__ == "__main__":
     main()
