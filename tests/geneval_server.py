@@ -3,7 +3,7 @@ scores from that row, so a run against it proves the metadata travels from the p
 
 Serve it with the reference server (the CPU block of recipes/sd35_geneval.yaml points at it)::
 
-    python -m unirl_pl.rewards.server --reward tests.geneval_server.FakeGenEval --port 18085 \\
+    python -m unirl_pl serve-reward --reward tests.geneval_server.FakeGenEval --port 18085 \\
         --reward-args '{"prompt_file": "recipes/prompts/geneval_example.jsonl"}'
 
 A sample whose metadata is missing or is not its prompt's row is a failed call (the server answers 500, the

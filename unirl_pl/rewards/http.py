@@ -189,7 +189,7 @@ class HTTPReward(Reward):
     takes at most ``timeout_s * (max_retries + 1) + backoff_s * (2 ** max_retries - 1)`` seconds. Then,
     or at once on another 4xx, a redirect (never followed), a reply over ``max_reply_bytes`` or a
     malformed reply, a :class:`RewardServerError` names the URL and what went wrong. Serve any
-    registered reward with ``python -m unirl_pl.rewards.server``, or speak the protocol from your own
+    registered reward with ``python -m unirl_pl serve-reward``, or speak the protocol from your own
     server (docs/rewards.md).
 
     Args:

@@ -1,10 +1,10 @@
 """Reference reward server: serves any registered (or dotted-path) reward over the HTTP reward protocol, on LitServe.
 
-Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (or ``python -m
-unirl_pl.rewards.server ...``) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path)
-takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample,
-handed to a reward that declares a ``metadata`` parameter, and ``"sources"``, one base64 source image or null per
-sample, handed decoded to a reward that declares ``sources``) and answers ``{"scores": [...]}``; ``GET /health``
+Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (its command
+line: :mod:`unirl_pl.rewards.server_cli`) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST``
+(any path) takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null
+per sample, handed to a reward that declares a ``metadata`` parameter, and ``"sources"``, one base64 source image
+or null per sample, handed decoded to a reward that declares ``sources``) and answers ``{"scores": [...]}``; ``GET /health``
 answers ``{"status": "ok", "reward": name}``. LitServe (the ``serve`` extra: ``pip install 'unirl_pl[serve]'``)
 runs the reward in a worker process of its own (:mod:`unirl_pl.rewards.server_worker`) and batches concurrent
 requests (several trainer ranks, or one client's overlapping calls): the requests that reach the worker within
@@ -307,9 +307,3 @@ def serve(
         max_total_pixels,
         start_timeout_s,
     ).start()
-
-
-if __name__ == "__main__":  # `python -m unirl_pl.rewards.server`, as `python -m unirl_pl serve-reward`
-    from unirl_pl.rewards.server_cli import main
-
-    main()
