@@ -1,19 +1,18 @@
 """Reference reward server: serves any registered (or dotted-path) reward over the HTTP reward protocol, on LitServe.
 
-Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (its command
-line: :mod:`unirl_pl.rewards.server_cli`) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST``
-(any path) takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null
-per sample, handed to a reward that declares a ``metadata`` parameter, and ``"sources"``, one base64 source image
-or null per sample, handed decoded to a reward that declares ``sources``) and answers ``{"scores": [...]}``; ``GET /health``
-answers ``{"status": "ok", "reward": name}``. LitServe (the ``serve`` extra: ``pip install 'unirl_pl[serve]'``)
-runs the reward in a worker process of its own (:mod:`unirl_pl.rewards.server_worker`) and batches concurrent
-requests (several trainer ranks, or one client's overlapping calls): the requests that reach the worker within
-``batch_wait_s`` of each other are scored together, in reward calls of one image size and at most
-``max_batch_size`` samples. Requests are bounded (body size, head and body read time, PNG/JPEG only, pixels per
-image and per request: :mod:`unirl_pl.rewards.server_front`); every refusal is a JSON ``{"error": ...}`` with its
-4xx/5xx status, and the connection is closed after it. To serve a model whose dependencies cannot live in the
-trainer's environment, serve your own reward class by dotted path, or speak the protocol from any framework
-(docs/rewards.md).
+Run ``python -m unirl_pl serve-reward --reward pickscore --reward-args '{"device": "cuda:1"}'`` (its command line:
+:mod:`unirl_pl.rewards.server_cli`) and point an ``http`` reward at ``http://127.0.0.1:8000/``. ``POST`` (any path)
+takes ``{"prompts", "refined_prompts", "images"}`` (and optionally ``"metadata"``, one object or null per sample,
+handed to a reward that declares a ``metadata`` parameter, and ``"sources"``, one base64 source image or null per
+sample, handed decoded to a reward that declares ``sources``) and answers ``{"scores": [...]}``; ``GET /health``
+answers ``{"status": "ok", "reward": name}``. LitServe (the ``serve`` extra: ``pip install 'unirl_pl[serve]'``) runs
+the reward in a worker process of its own (:mod:`unirl_pl.rewards.server_worker`) and batches concurrent requests
+(several trainer ranks, or one client's overlapping calls): the requests that reach the worker within ``batch_wait_s``
+of each other are scored together, in reward calls of one image size and at most ``max_batch_size`` samples. Requests
+are bounded (body size, head and body read time, PNG/JPEG only, pixels per image and per request:
+:mod:`unirl_pl.rewards.server_front`); every refusal is a JSON ``{"error": ...}`` with its 4xx/5xx status, and the
+connection is closed after it. To serve a model whose dependencies cannot live in the trainer's environment, serve
+your own reward class by dotted path, or speak the protocol from any framework (docs/rewards.md).
 """
 
 from __future__ import annotations
