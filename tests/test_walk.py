@@ -2,11 +2,16 @@
 
 The lines are read from README.md, so the test fails when the README shows a command that does not run
 as written. Each gets a few overrides appended (a few steps, one small validation batch) so the walk
-takes minutes, not the hour the full commands take; the overrides only shrink the work.
+takes minutes, not the hour the full commands take; the overrides only shrink the work. The main job runs
+as a newcomer types it, ``python -m unirl_pl`` in a fresh folder; the lines after it run through the same
+entry point (:func:`unirl_pl.cli.main`, which hands the tools on) in this process, from that folder: a
+process of their own would add 6-7 s of imports each and test nothing more.
 """
 
 from __future__ import annotations
 
+import io
+import logging
 import os
 import shlex
 import subprocess
@@ -16,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
+from unirl_pl.cli import main
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,22 +55,50 @@ def readme_commands() -> tuple[str, list[str]]:
     return main_job, [line.strip() for line in after.splitlines() if line.strip()]
 
 
-def _run(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+def _argv(command: str) -> list[str]:
+    """The words after ``python -m unirl_pl``, recipes by their absolute path (the walk runs in a fresh folder, as
+    a user's own directory), with the subcommand's overrides appended."""
     words = shlex.split(command)
     assert words[:3] == ["python", "-m", "unirl_pl"], command
     sub = words[3]
-    # Recipes by their absolute path: the walk runs in a fresh folder, as a user's own directory.
     words = [str(ROOT / w) if w.startswith("recipes/") else w for w in words[3:]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     small = SMALL[sub]
     if sub == "fit" and "--ckpt_path" in words:
         small = (*small, "--trainer.max_steps=3")  # one more step than the run it resumes
-    argv = [sys.executable, "-m", "unirl_pl", *words, *small]
+    return [*words, *small]
+
+
+def _run(command: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """``command`` in a process of its own, in ``cwd``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    argv = [sys.executable, "-m", "unirl_pl", *_argv(command)]
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_the_readme_walk_runs_as_written(tmp_path):
+def _run_here(command: str, capfd: pytest.CaptureFixture[str]) -> subprocess.CompletedProcess:
+    """``command`` through ``python -m unirl_pl``'s entry point in this process (in the current folder): its exit
+    status and what it wrote to the standard streams, as :func:`_run` gives them."""
+    argv = _argv(command)
+    # Lightning's messages ("Restoring states from ...") go to the handler it gave its logger at import, whose
+    # stream is whatever sys.stderr was then: read them from the logger, as a process's stderr would show them.
+    logged = io.StringIO()
+    handler = logging.StreamHandler(logged)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    lightning_log.addHandler(handler)
+    capfd.readouterr()
+    try:
+        main(argv)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        lightning_log.removeHandler(handler)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(argv, code, out, err + logged.getvalue())
+
+
+def test_the_readme_walk_runs_as_written(tmp_path, monkeypatch, capfd):
     main_job, after = readme_commands()
     assert main_job == "python -m unirl_pl fit --config recipes/joint.yaml"
     subcommands = [shlex.split(line)[3] for line in after]
@@ -76,9 +110,10 @@ def test_the_readme_walk_runs_as_written(tmp_path):
     first_ckpts = sorted(p.name for p in (runs / "version_0" / "checkpoints").iterdir())
     assert "last.ckpt" in first_ckpts
 
+    monkeypatch.chdir(tmp_path)
     done: dict[str, subprocess.CompletedProcess] = {}
     for line in after:
-        proc = _run(line, tmp_path)
+        proc = _run_here(line, capfd)
         assert proc.returncode == 0, f"{line}\n{proc.stderr[-3000:]}"
         done.setdefault(shlex.split(line)[3], proc)
         if "--ckpt_path last" in line and shlex.split(line)[3] == "fit":
